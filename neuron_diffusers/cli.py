@@ -1,0 +1,127 @@
+"""`neuron-diffusers` (also `python -m neuron_diffusers`): `generate` and `tiny`.
+
+`generate` runs alone or under `torchrun`; every check of the user's input runs before the process
+group starts or any weight is read, and only one rank writes the image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import tiny
+from .distributed import check_tp_degree, detect_runtime, init_distributed, is_main_process
+from .runner import check_heads, load_pipeline, resolve_model
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="neuron-diffusers", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate an image, tensor-parallel over the launched ranks")
+    gen.add_argument("--model", default="flux",
+                     help="checkpoint folder, or a tiny family name built offline (default: flux, a tiny FLUX.1)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--out", required=True, type=Path, help="PNG file to write")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tp", type=_positive, default=None, help="tensor-parallel degree (default: all ranks)")
+    gen.add_argument("--height", type=_positive, default=None)
+    gen.add_argument("--width", type=_positive, default=None)
+    gen.add_argument("--steps", type=_positive, default=4)
+    gen.add_argument("--dtype", choices=DTYPES, default=None,
+                     help="default: bfloat16 on an accelerator, float32 on CPU")
+    gen.add_argument("--timeout", type=float, default=600.0, help="seconds any collective may wait")
+
+    tiny_cmd = commands.add_parser("tiny", help="build a tiny random checkpoint of a family, offline")
+    tiny_cmd.add_argument("family")
+    tiny_cmd.add_argument("dir", type=Path)
+    tiny_cmd.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _check_generate_args(args) -> None:
+    """Everything that can be checked without a process group or a weight."""
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty: give the text to generate an image from.")
+    if args.out.suffix.lower() != ".png":
+        raise ValueError(f"--out {args.out} must end in .png: images are written as PNG.")
+    parent = args.out.parent.resolve()
+    writable = parent if parent.exists() else next(p for p in parent.parents if p.exists())
+    if not os.access(writable, os.W_OK):
+        raise PermissionError(f"--out {args.out}: {writable} is not writable. Choose another output path.")
+
+
+def save_png_atomically(image, path: Path) -> None:
+    """Write to a temporary file beside `path` and rename it, so a crash never leaves a truncated PNG."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            image.save(handle, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _generate(args) -> None:
+    _check_generate_args(args)
+    runtime = detect_runtime()
+    tp = args.tp or runtime.world_size
+    check_tp_degree(tp, runtime.world_size)
+    mesh = init_distributed(tp=tp, timeout_s=args.timeout)
+
+    # One rank builds an embedded tiny model into the cache; the others wait and then read it.
+    if is_main_process():
+        checkpoint = resolve_model(args.model)
+    dist.barrier()
+    if not is_main_process():
+        checkpoint = resolve_model(args.model)
+    check_heads(checkpoint, tp)
+
+    family = args.model if args.model in tiny.FAMILIES else None
+    height, width = args.height, args.width
+    if family and (height is None or width is None):
+        height, width = (height or tiny.default_size(family)[0]), (width or tiny.default_size(family)[1])
+    dtype_name = args.dtype or ("float32" if runtime.device_type == "cpu" else "bfloat16")
+    pipe = load_pipeline(checkpoint, mesh, torch_dtype=getattr(torch, dtype_name))
+
+    # Data parallel: TP group `dp` takes every dp-th prompt; with one prompt only group 0 works.
+    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    prompts = [args.prompt][dp_rank::dp_size]
+    if prompts:
+        images = pipe.generate(prompts, seed=args.seed, height=height, width=width,
+                               num_inference_steps=args.steps)
+        if images is not None:
+            save_png_atomically(images[0], args.out)
+            print(f"wrote {args.out} (tp={tp}, dp={dp_size}, {dtype_name})", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            _generate(args)
+        elif args.command == "tiny":
+            print(tiny.build_tiny(args.family, args.dir, seed=args.seed))
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
+        print(f"neuron-diffusers {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,167 @@
+"""The one module that reaches into diffusers' private tensor-parallel internals.
+
+diffusers 0.42 ships tensor parallelism (`TensorParallelConfig`, `hooks/tensor_parallel.py`, a
+slice-streaming loader) that we build on rather than copy. Three gaps are closed here, and only here:
+
+1. CPU meshes. Stock lists the device types it accepts in `_SUPPORTED_TP_DEVICES` (no `cpu`) and
+   computes the rank's device as `rank % torch.accelerator.device_count()`, which divides by zero on
+   a CPU-only host. We add `cpu` and derive the device from the mesh the user passed.
+2. Checks before any weight is read. Stock validates the mesh's device type only in
+   `apply_tensor_parallel`, after the whole checkpoint was streamed. We run that check (and a mesh
+   shape check) inside `_check_tp_supported`, which both entry points call before loading.
+3. A failed `enable_parallelism` leaves the model half-sharded and marked "already applied". We
+   snapshot the model and restore it exactly on any failure.
+
+Everything is pinned to the diffusers 0.42 series (`diffusers~=0.42.1` in pyproject): each name we
+touch is private and may move in another release, so `install()` refuses other versions loudly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+
+import torch
+
+_PINNED_SERIES = "0.42."
+
+
+def _check_diffusers_version() -> None:
+    import diffusers
+
+    if not diffusers.__version__.startswith(_PINNED_SERIES):
+        raise ImportError(
+            f"neuron_diffusers needs diffusers {_PINNED_SERIES}x (found {diffusers.__version__}): it extends "
+            "diffusers' private tensor-parallel internals, which differ between releases. Install it with "
+            "`pip install 'diffusers~=0.42.1'`."
+        )
+
+
+def mesh_device(mesh) -> torch.device:
+    """The device this rank computes on for `mesh`: its own accelerator, or the CPU."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def _default_tp_device_type() -> str:
+    """What stock builds a mesh on when only `tp_degree` is given: the active accelerator, else CPU."""
+    return torch._C._get_accelerator().type
+
+
+def _check_tp_mesh(tp_config) -> None:
+    """Reject a mesh that tensor parallelism cannot use, before any weight is read."""
+    from diffusers.hooks import tensor_parallel
+
+    mesh = tp_config.mesh
+    if mesh is not None and mesh.ndim != 1:
+        names = mesh.mesh_dim_names or ()
+        hint = "mesh['tp']" if "tp" in names else "the 1-D sub-mesh of the tensor-parallel dimension"
+        raise ValueError(
+            f"`TensorParallelConfig(mesh=...)` got a {mesh.ndim}-D mesh {tuple(names) or mesh.shape}: tensor "
+            f"parallelism shards over exactly one mesh dimension. Pass {hint} instead."
+        )
+    device_type = mesh.device_type if mesh is not None else _default_tp_device_type()
+    supported = tensor_parallel._SUPPORTED_TP_DEVICES
+    if device_type not in supported:
+        raise ValueError(
+            f"Tensor parallelism cannot run on device type '{device_type}': only {list(supported)} have the "
+            f"collectives it needs. Build the mesh on one of them, e.g. DeviceMesh('cpu', ranks) with the gloo "
+            f"backend."
+        )
+
+
+def _wrap_check_tp_supported(stock):
+    @functools.wraps(stock)
+    def _check_tp_supported(model_name, tp_plan, num_heads, tp_config, **kwargs):
+        stock(model_name, tp_plan, num_heads, tp_config, **kwargs)
+        _check_tp_mesh(tp_config)
+
+    return _check_tp_supported
+
+
+def _wrap_resolve_parallel_config(stock):
+    """Resolve a tensor-parallel config's device from its mesh instead of `accelerator.device_count()`."""
+
+    @functools.wraps(stock)
+    def _resolve_parallel_config(self, config):
+        from diffusers import ParallelConfig, TensorParallelConfig
+
+        tp_config = config if isinstance(config, TensorParallelConfig) else getattr(config, "tensor_parallel_config", None)
+        if tp_config is None:
+            return stock(self, config)  # context parallelism: untouched
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            raise RuntimeError(
+                "torch.distributed must be initialized before applying a tensor-parallel `parallel_config`: call "
+                "`neuron_diffusers.init_distributed()` (or `torch.distributed.init_process_group`) first."
+            )
+        if isinstance(config, TensorParallelConfig):
+            config = ParallelConfig(tensor_parallel_config=config)
+        mesh = tp_config.mesh or torch.distributed.device_mesh.init_device_mesh(
+            _default_tp_device_type(), (tp_config.tp_degree,), mesh_dim_names=("tp",)
+        )
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        config.setup(rank, world_size, mesh_device(mesh), mesh=mesh)
+        self._parallel_config = config
+        return config
+
+    return _resolve_parallel_config
+
+
+def _snapshot(model: torch.nn.Module) -> list:
+    """Every module's attributes, with the contents of its dicts (parameters, buffers, hooks, children).
+
+    Restoring writes the saved contents back into the *same* dict objects, so hook handles taken
+    before the failed call stay valid. Only plain dicts are mutable state here (a config's
+    `FrozenDict` is restored by reference).
+    """
+    return [
+        (module, {k: (v, dict(v) if type(v) in (dict, OrderedDict) else None) for k, v in vars(module).items()})
+        for module in model.modules()
+    ]
+
+
+def _restore(snapshot: list) -> None:
+    for module, saved in snapshot:
+        for key in [k for k in vars(module) if k not in saved]:
+            del module.__dict__[key]
+        for key, (value, contents) in saved.items():
+            if contents is not None:
+                value.clear()
+                value.update(contents)
+            module.__dict__[key] = value
+
+
+def _wrap_enable_parallelism(stock):
+    """All or nothing: a failure anywhere in `enable_parallelism` leaves the model exactly as it was."""
+
+    @functools.wraps(stock)
+    def enable_parallelism(self, *, config, cp_plan=None):
+        snapshot = _snapshot(self)
+        try:
+            return stock(self, config=config, cp_plan=cp_plan)
+        except BaseException:
+            _restore(snapshot)
+            raise
+
+    return enable_parallelism
+
+
+_installed = False
+
+
+def install() -> None:
+    """Apply the extensions above once. Called by `import neuron_diffusers`; touches no device."""
+    global _installed
+    if _installed:
+        return
+    _check_diffusers_version()
+    from diffusers.hooks import tensor_parallel
+    from diffusers.models.modeling_utils import ModelMixin
+
+    if "cpu" not in tensor_parallel._SUPPORTED_TP_DEVICES:
+        tensor_parallel._SUPPORTED_TP_DEVICES = (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu")
+    tensor_parallel._check_tp_supported = _wrap_check_tp_supported(tensor_parallel._check_tp_supported)
+    ModelMixin._resolve_parallel_config = _wrap_resolve_parallel_config(ModelMixin._resolve_parallel_config)
+    ModelMixin.enable_parallelism = _wrap_enable_parallelism(ModelMixin.enable_parallelism)
+    _installed = True

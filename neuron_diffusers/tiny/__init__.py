@@ -1,0 +1,83 @@
+"""Tiny random checkpoints of every supported family, built offline in seconds.
+
+Each family module builds the *complete* stock pipeline (tokenizers included) from a seed and
+`save_pretrained`s it in the standard layout, so tests and offline demos exercise exactly the stock
+loaders and pipelines that real checkpoints go through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21", "h3")
+
+
+def _family_module(family: str):
+    if family not in FAMILIES:
+        raise ValueError(f"Unknown tiny family '{family}'. Choose one of: {', '.join(FAMILIES)}.")
+    return importlib.import_module(f"{__name__}.{family}")
+
+
+def default_size(family: str) -> tuple[int, int]:
+    """The smallest (height, width) the family's tiny pipeline accepts."""
+    return _family_module(family).DEFAULT_SIZE
+
+
+def build_tiny(family: str, path: str | os.PathLike, seed: int = 0) -> Path:
+    """Build `family`'s tiny pipeline into `path`, which must not exist or be empty.
+
+    The build happens in a temporary sibling folder that is renamed into place at the end, so an
+    interrupted build never leaves a half-written checkpoint behind.
+    """
+    module = _family_module(family)
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"Cannot build the tiny '{family}' pipeline into {path}: it exists and is not empty. "
+                              "Pick a new folder or delete this one.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        module.build(staging, seed=seed)
+        if path.exists():
+            path.rmdir()
+        staging.rename(path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NEURON_DIFFUSERS_CACHE", Path.home() / ".cache" / "neuron_diffusers"))
+
+
+def _builder_digest(family: str) -> str:
+    """A hash of the code that builds `family`, so the cache never serves a checkpoint of older code."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        if source.stem in (family, "__init__") or source.stem.startswith("_"):
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def cached_tiny(family: str, seed: int = 0) -> Path:
+    """The tiny checkpoint for (`family`, `seed`) in the cache, built on first use.
+
+    Safe against concurrent builders: each builds into its own staging folder and the first rename
+    wins; the others discard theirs.
+    """
+    _family_module(family)  # an unknown family fails here, before touching the cache
+    path = cache_dir() / "tiny" / f"{family}-seed{seed}-{_builder_digest(family)}"
+    if path.is_dir() and any(path.iterdir()):
+        return path
+    try:
+        build_tiny(family, path, seed=seed)
+    except (FileExistsError, OSError):
+        if not (path.is_dir() and any(path.iterdir())):
+            raise
+    return path

@@ -1,0 +1,154 @@
+"""Functions that run on spawned gloo ranks (module level, so `spawn` can import them)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def capture_transformer_call(pipe, **call_kwargs):
+    """The (args, kwargs) of the transformer's first call during a stock pipeline run, and its output.
+
+    Capturing real calls keeps the comparison generic: no per-family input recipes to get wrong.
+    """
+    captured = []
+
+    def hook(module, args, kwargs):
+        if not captured:
+            captured.append((args, dict(kwargs)))
+
+    handle = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe(**call_kwargs)
+    finally:
+        handle.remove()
+    args, kwargs = captured[0]
+    return args, kwargs
+
+
+def first_output(output):
+    """The transformer's prediction, whatever container the family returns it in."""
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    return getattr(output, "sample", output)
+
+
+def _load_tp(checkpoint, mesh):
+    import json
+
+    import diffusers
+    from diffusers import TensorParallelConfig
+
+    cls_name = json.loads((checkpoint / "model_index.json").read_text())["transformer"][1]
+    cls = getattr(diffusers, cls_name)
+    model = cls.from_pretrained(checkpoint, subfolder="transformer", parallel_config=TensorParallelConfig(mesh=mesh))
+    return cls, model
+
+
+def _max_diff(model, call) -> float:
+    args, kwargs, reference = call
+    with torch.no_grad():
+        out = first_output(model(*args, **kwargs))
+    return (out - reference).abs().max().item()
+
+
+def _shard_report(model, plan, tp) -> dict:
+    """How many planned parameters are DTensor shards of exactly 1/tp of the full tensor (or replicated biases)."""
+    from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+    from torch.distributed.tensor import DTensor, Shard
+
+    specs = resolve_tp_shard_specs(model, plan, tp)
+    wrong = []
+    for name, spec in specs.items():
+        param = model.get_parameter(name)
+        if not isinstance(param, DTensor):
+            wrong.append(f"{name}: not a DTensor")
+        elif spec.dim is not None and (
+            param.placements[0] != Shard(spec.dim) or param.to_local().shape[spec.dim] * tp != param.shape[spec.dim]
+        ):
+            wrong.append(f"{name}: local {tuple(param.to_local().shape)} of {tuple(param.shape)}")
+    return {"planned": len(specs), "wrong": wrong}
+
+
+def spine_checks(checkpoints: dict, calls: dict) -> dict:
+    """Everything the spine promises on 2 CPU ranks, in one spawn (each spawn costs seconds of imports)."""
+    import neuron_diffusers as nd
+    import safetensors
+    from diffusers import TensorParallelConfig
+
+    report = {}
+    mesh = nd.init_distributed(tp=2)
+    report["mesh"] = (mesh.mesh_dim_names, tuple(mesh.shape))
+    dp_mesh = nd.init_distributed(tp=1)
+    report["mesh_tp1"] = (dp_mesh.mesh_dim_names, tuple(dp_mesh.shape))
+    tp_mesh = mesh["tp"]
+
+    for family, checkpoint in checkpoints.items():
+        cls, model = _load_tp(checkpoint, tp_mesh)
+        report[family] = {"diff": _max_diff(model, calls[family]), **_shard_report(model, cls._tp_plan, 2)}
+
+    # `enable_parallelism` on a model already in memory, and all-or-nothing on failure.
+    from diffusers import FluxTransformer2DModel
+    import torch.distributed.tensor.parallel as tp_api
+
+    flux = checkpoints["flux"]
+    model = FluxTransformer2DModel.from_pretrained(flux, subfolder="transformer")
+    before = {name: id(p) for name, p in model.named_parameters()}
+    stock_parallelize = tp_api.parallelize_module
+    calls_made = []
+
+    def failing_parallelize(*args, **kwargs):
+        calls_made.append(1)
+        if len(calls_made) == 3:
+            raise RuntimeError("injected failure while sharding")
+        return stock_parallelize(*args, **kwargs)
+
+    tp_api.parallelize_module = failing_parallelize
+    try:
+        model.enable_parallelism(config=TensorParallelConfig(mesh=tp_mesh))
+        report["rollback"] = "no failure raised"
+    except RuntimeError as error:
+        report["rollback"] = {
+            "error": str(error),
+            "sharded_before_failure": len(calls_made) - 1,
+            "params_restored": {name: id(p) for name, p in model.named_parameters()} == before,
+            "config_cleared": model._parallel_config is None,
+            "hooks_left": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()),
+        }
+    finally:
+        tp_api.parallelize_module = stock_parallelize
+    model.enable_parallelism(config=TensorParallelConfig(mesh=tp_mesh))
+    report["enable_parallelism_diff"] = _max_diff(model, calls["flux"])
+
+    # Bad meshes are rejected before a single weight is read.
+    class _UnsupportedMesh:
+        device_type, ndim = "mps", 1
+
+        def size(self):
+            return 2
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("a weight was read before the mesh was checked")
+
+    stock_open = safetensors.safe_open
+    safetensors.safe_open = no_reads
+    rejections = {}
+    try:
+        for label, bad_mesh in (("2d", mesh), ("mps", _UnsupportedMesh())):
+            try:
+                FluxTransformer2DModel.from_pretrained(
+                    flux, subfolder="transformer", parallel_config=TensorParallelConfig(mesh=bad_mesh)
+                )
+                rejections[label] = "accepted"
+            except (ValueError, AssertionError) as error:
+                rejections[label] = f"{type(error).__name__}: {error}"
+    finally:
+        safetensors.safe_open = stock_open
+    plain = FluxTransformer2DModel.from_pretrained(flux, subfolder="transformer")
+    try:
+        plain.enable_parallelism(config=TensorParallelConfig(mesh=_UnsupportedMesh()))
+    except ValueError as error:
+        rejections["enable_mps"] = str(error)
+    rejections["enable_mps_untouched"] = plain._parallel_config is None
+    report["rejections"] = rejections
+    return report
