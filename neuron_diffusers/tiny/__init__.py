@@ -24,7 +24,7 @@ def _family_module(family: str):
 
 
 def default_size(family: str) -> tuple[int, int]:
-    """The smallest (height, width) the family's tiny pipeline accepts."""
+    """A small (height, width) the family's tiny pipeline generates at in well under a second."""
     return _family_module(family).DEFAULT_SIZE
 
 

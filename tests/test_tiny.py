@@ -1,0 +1,60 @@
+"""Tiny offline checkpoints: built deterministically, loaded back by the stock loaders, runnable."""
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from neuron_diffusers import tiny
+from neuron_diffusers.cli import main
+
+PIPELINE_CLASSES = {
+    "flux": "FluxPipeline",
+    "flux2": "Flux2Pipeline",
+    "qwenimage": "QwenImagePipeline",
+    "qwenimage21": "QwenImage21Pipeline",
+}
+
+
+def _transformer_weights(path):
+    return load_file(next((path / "transformer").glob("*.safetensors")))
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_build_is_deterministic_and_seeded(tmp_path, tiny_checkpoint, family):
+    started = time.perf_counter()
+    again = tiny.build_tiny(family, tmp_path / "again", seed=0)
+    print(f"{family}: built in {time.perf_counter() - started:.2f} s")
+    other = tiny.build_tiny(family, tmp_path / "other", seed=1)
+    reference = _transformer_weights(tiny_checkpoint(family))
+    same, different = _transformer_weights(again), _transformer_weights(other)
+    assert reference.keys() == same.keys() == different.keys()
+    assert all(torch.equal(reference[k], same[k]) for k in reference)
+    assert not all(torch.equal(reference[k], different[k]) for k in reference)
+
+
+@pytest.mark.parametrize("family", sorted(PIPELINE_CLASSES))
+def test_stock_loader_round_trip_generates(tiny_checkpoint, family):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(tiny_checkpoint(family))
+    assert type(pipe).__name__ == PIPELINE_CLASSES[family]
+    missing = [name for name, c in pipe.components.items() if c is None and name not in pipe._optional_components]
+    assert missing == []
+    height, width = tiny.default_size(family)
+    image = pipe(prompt="a red fox", height=height, width=width, num_inference_steps=2,
+                 generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+    assert image.shape[:2] == (height, width)
+    assert torch.isfinite(torch.as_tensor(image)).all()
+
+
+def test_cli_builds_into_a_new_folder_only(tmp_path, capsys):
+    target = tmp_path / "flux"
+    assert main(["tiny", "flux", str(target)]) == 0
+    assert (target / "model_index.json").is_file()
+    assert main(["tiny", "flux", str(target)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert main(["tiny", "sd3", str(tmp_path / "sd3")]) == 2
+    assert "Unknown tiny family 'sd3'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flux"]  # no staging folder left behind
