@@ -91,12 +91,12 @@ def load_pipeline(model: str | os.PathLike, mesh: DeviceMesh, torch_dtype: torch
     transformer_cls = _component_class(checkpoint, "transformer")
     parallel = {"parallel_config": TensorParallelConfig(mesh=tp_mesh)} if tp_mesh.size() > 1 else {}
     transformer = transformer_cls.from_pretrained(
-        checkpoint, subfolder="transformer", torch_dtype=torch_dtype, **parallel
+        checkpoint, subfolder="transformer", dtype=torch_dtype, **parallel
     )
     device = mesh_device(tp_mesh)
     if not parallel:
         transformer.to(device)
-    pipe = DiffusionPipeline.from_pretrained(checkpoint, transformer=transformer, torch_dtype=torch_dtype)
+    pipe = DiffusionPipeline.from_pretrained(checkpoint, transformer=transformer, dtype=torch_dtype)
     for name, component in pipe.components.items():
         if name != "transformer" and isinstance(component, torch.nn.Module):
             component.to(device)
