@@ -84,15 +84,11 @@ def _generate(args) -> None:
     runtime = detect_runtime()
     tp = args.tp or runtime.world_size
     check_tp_degree(tp, runtime.world_size)
-    mesh = init_distributed(tp=tp, timeout_s=args.timeout)
-
-    # One rank builds an embedded tiny model into the cache; the others wait and then read it.
-    if is_main_process():
-        checkpoint = resolve_model(args.model)
-    dist.barrier()
-    if not is_main_process():
-        checkpoint = resolve_model(args.model)
+    # Every rank resolves the model itself: a tiny family is built into the cache by whichever rank
+    # renames its build into place first (see `tiny.cached_tiny`), so no rank waits on another here.
+    checkpoint = resolve_model(args.model)
     check_heads(checkpoint, tp)
+    mesh = init_distributed(tp=tp, timeout_s=args.timeout)
 
     family = args.model if args.model in tiny.FAMILIES else None
     height, width = args.height, args.width

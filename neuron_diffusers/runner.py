@@ -22,20 +22,26 @@ from .integration import mesh_device
 
 def resolve_model(model: str | os.PathLike) -> Path:
     """A local checkpoint folder, or a tiny family name (built into the cache on first use)."""
-    path = Path(model)
-    if path.is_dir():
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(
-                f"{path} is not a diffusers pipeline checkpoint: it has no model_index.json. Point --model at the "
-                f"folder that `save_pretrained` wrote, or name a tiny family ({', '.join(tiny.FAMILIES)})."
-            )
-        return path
     if str(model) in tiny.FAMILIES:
-        return tiny.cached_tiny(str(model))
-    raise FileNotFoundError(
-        f"Model '{model}' is neither a local checkpoint folder nor a tiny family ({', '.join(tiny.FAMILIES)}). "
-        "Download the checkpoint first (e.g. `hf download ID --local-dir DIR`) and pass the folder."
-    )
+        path = tiny.cached_tiny(str(model))
+    elif Path(model).is_dir():
+        path = Path(model)
+    else:
+        raise FileNotFoundError(
+            f"Model '{model}' is neither a local checkpoint folder nor a tiny family ({', '.join(tiny.FAMILIES)}). "
+            "Download the checkpoint first (e.g. `hf download ID --local-dir DIR`) and pass the folder."
+        )
+    if (path / "modular_model_index.json").is_file():
+        raise ValueError(
+            f"{path} is a modular pipeline (such as MiniMax-H3), which `generate` cannot run yet: it supports "
+            "the FluxPipeline, Flux2Pipeline, QwenImagePipeline and QwenImage21Pipeline families."
+        )
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a diffusers pipeline checkpoint: it has no model_index.json. Point --model at the "
+            f"folder that `save_pretrained` wrote, or name a tiny family ({', '.join(tiny.FAMILIES)})."
+        )
+    return path
 
 
 def _component_class(checkpoint: Path, name: str):

@@ -34,6 +34,7 @@ def test_tp2_image_matches_single_process(tmp_path):
         (["--prompt", "   "], "--prompt is empty"),
         (["--prompt", "a fox", "--tp", "3"], "Valid values for 1 rank(s): [1]"),
         (["--prompt", "a fox", "--model", "no-such-model"], "neither a local checkpoint folder nor a tiny family"),
+        (["--prompt", "a fox", "--model", "h3"], "modular pipeline (such as MiniMax-H3)"),
     ],
 )
 def test_bad_input_is_rejected_with_a_clear_error(tmp_path, capsys, args, message):

@@ -58,3 +58,30 @@ def test_cli_builds_into_a_new_folder_only(tmp_path, capsys):
     assert main(["tiny", "sd3", str(tmp_path / "sd3")]) == 2
     assert "Unknown tiny family 'sd3'" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flux"]  # no staging folder left behind
+
+
+def test_h3_modular_round_trip_generates_video_and_audio(tiny_checkpoint):
+    from neuron_diffusers.tiny import h3
+
+    pipe = h3.load(tiny_checkpoint("h3"), workflow="t2va")
+    assert type(pipe.transformer).__name__ == "MiniMaxH3Transformer3DModel"
+    height, width = h3.DEFAULT_SIZE
+    out = pipe(prompt="a red fox", height=height, width=width, num_frames=h3.DEFAULT_NUM_FRAMES,
+               num_inference_steps=3, generator=torch.Generator().manual_seed(0), output_type="pt",
+               output=["videos", "audio"])
+    videos, audio = out["videos"], out["audio"]
+    assert videos.shape == (1, h3.DEFAULT_NUM_FRAMES, 3, height, width)
+    assert audio.ndim == 3 and audio.shape[1] == 2  # stereo
+    assert torch.isfinite(videos).all() and torch.isfinite(audio).all()
+
+
+def test_h3_load_names_a_component_that_did_not_load(tmp_path, tiny_checkpoint):
+    import shutil
+
+    from neuron_diffusers.tiny import h3
+
+    broken = shutil.copytree(tiny_checkpoint("h3"), tmp_path / "h3")
+    for weights in (broken / "vae").glob("*.safetensors"):
+        weights.write_bytes(b"not safetensors")
+    with pytest.raises(RuntimeError, match="did not load vae"):
+        h3.load(broken, workflow="t2va")
