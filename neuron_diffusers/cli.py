@@ -1,12 +1,14 @@
-"""`neuron-diffusers` (also `python -m neuron_diffusers`): `generate` and `tiny`.
+"""`neuron-diffusers` (also `python -m neuron_diffusers`): `generate`, `tiny`, `plan` and `bench`.
 
 `generate` runs alone or under `torchrun`; every check of the user's input runs before the process
-group starts or any weight is read, and only one rank writes the image.
+group starts or any weight is read, and only one rank writes the image. `plan report` and
+`bench memory` measure plans on models built on the meta device, so they need no weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -15,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import tiny
-from .distributed import check_tp_degree, detect_runtime, init_distributed, is_main_process
+from . import bench_memory, plan_report, tiny
+from .distributed import check_tp_degree, detect_runtime, init_distributed
 from .runner import check_heads, load_pipeline, resolve_model
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -51,6 +53,20 @@ def _parser() -> argparse.ArgumentParser:
     tiny_cmd.add_argument("family")
     tiny_cmd.add_argument("dir", type=Path)
     tiny_cmd.add_argument("--seed", type=int, default=0)
+
+    plan = commands.add_parser("plan", help="inspect tensor-parallel plans")
+    plan_commands = plan.add_subparsers(dest="subcommand", required=True)
+    report = plan_commands.add_parser("report", help="per-rank memory and collectives of a plan at a TP degree")
+    report.add_argument("--model", required=True,
+                        help="family name (full-size default config) or checkpoint folder (its transformer config)")
+    report.add_argument("--tp", type=_positive, required=True, help="tensor-parallel degree")
+    report.add_argument("--plan", choices=plan_report.PLANS, default="ours")
+    report.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="subcommand", required=True)
+    bench_memory.add_arguments(
+        bench_commands.add_parser("memory", help="per-rank memory of every family at TP 1/2/4/8, ours vs stock"))
     return parser
 
 
@@ -110,14 +126,24 @@ def _generate(args) -> None:
     dist.destroy_process_group()
 
 
+def _plan_report(args) -> None:
+    report = plan_report.plan_report(args.model, args.tp, args.plan)
+    print(json.dumps(report) if args.json else plan_report.format_report(report))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    command = " ".join(filter(None, (args.command, getattr(args, "subcommand", None))))
     try:
         if args.command == "generate":
             _generate(args)
         elif args.command == "tiny":
             print(tiny.build_tiny(args.family, args.dir, seed=args.seed))
+        elif command == "plan report":
+            _plan_report(args)
+        elif command == "bench memory":
+            bench_memory.main_with(args)
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
-        print(f"neuron-diffusers {args.command}: error: {error}", file=sys.stderr)
+        print(f"neuron-diffusers {command}: error: {error}", file=sys.stderr)
         return 2
     return 0

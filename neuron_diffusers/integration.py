@@ -1,7 +1,7 @@
 """The one module that reaches into diffusers' private tensor-parallel internals.
 
 diffusers 0.42 ships tensor parallelism (`TensorParallelConfig`, `hooks/tensor_parallel.py`, a
-slice-streaming loader) that we build on rather than copy. Three gaps are closed here, and only here:
+slice-streaming loader) that we build on rather than copy. Five gaps are closed here, and only here:
 
 1. CPU meshes. Stock lists the device types it accepts in `_SUPPORTED_TP_DEVICES` (no `cpu`) and
    computes the rank's device as `rank % torch.accelerator.device_count()`, which divides by zero on
@@ -11,6 +11,11 @@ slice-streaming loader) that we build on rather than copy. Three gaps are closed
    shape check) inside `_check_tp_supported`, which both entry points call before loading.
 3. A failed `enable_parallelism` leaves the model half-sharded and marked "already applied". We
    snapshot the model and restore it exactly on any failure.
+4. One more plan style, `GatheredColwiseParallel` (see `tp_plans/styles.py`), taught to the three
+   stock dispatchers: shard specs (so the loader streams only each rank's slice), partitioning
+   styles, and hooks-only styles (used after a streaming load, on Neuron too).
+5. Attention processors that split heads with `attn.heads` (MiniMax-H3's) see the rank's local
+   head count once `to_q` is sharded, so they split by head_dim as Flux and Qwen already do.
 
 Everything is pinned to the diffusers 0.42 series (`diffusers~=0.42.1` in pyproject): each name we
 touch is private and may move in another release, so `install()` refuses other versions loudly.
@@ -22,6 +27,8 @@ import functools
 from collections import OrderedDict
 
 import torch
+
+from .tp_plans.styles import GatheredColwiseParallel
 
 _PINNED_SERIES = "0.42."
 
@@ -71,9 +78,22 @@ def _check_tp_mesh(tp_config) -> None:
         )
 
 
+def check_heads_divisible(model_name: str, num_heads: int | None, tp: int) -> None:
+    """Each rank must own whole attention heads; name the TP degrees that work."""
+    if num_heads is not None and num_heads % tp != 0:
+        valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(
+            f"A tensor-parallel degree of {tp} does not divide the {num_heads} attention heads of {model_name}: "
+            f"each rank must own whole heads. Valid degrees for this model: {valid}."
+        )
+
+
 def _wrap_check_tp_supported(stock):
     @functools.wraps(stock)
     def _check_tp_supported(model_name, tp_plan, num_heads, tp_config, **kwargs):
+        from diffusers.hooks import tensor_parallel
+
+        check_heads_divisible(model_name, num_heads, tensor_parallel._tp_degree(tp_config))
         stock(model_name, tp_plan, num_heads, tp_config, **kwargs)
         _check_tp_mesh(tp_config)
 
@@ -147,6 +167,89 @@ def _wrap_enable_parallelism(stock):
     return enable_parallelism
 
 
+def _wrap_resolve_tp_shard_specs(stock):
+    """A gathered colwise Linear is laid out exactly like a colwise one: translate, then reuse stock."""
+
+    @functools.wraps(stock)
+    def resolve_tp_shard_specs(model, tp_plan, tp_degree):
+        check_plan_matches(model, tp_plan)
+        translated = {k: "colwise" if isinstance(v, GatheredColwiseParallel) else v for k, v in tp_plan.items()}
+        return stock(model, translated, tp_degree)
+
+    return resolve_tp_shard_specs
+
+
+def _gathered_colwise(partition: bool):
+    """`ColwiseParallel` whose output is all-gathered to a replicated, plain local tensor."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    if partition:
+        return ColwiseParallel(output_layouts=Replicate())
+
+    class _NoPartitionGatheredColwise(ColwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            pass  # weight and bias already streamed in as Shard(0)
+
+    return _NoPartitionGatheredColwise(output_layouts=Replicate())
+
+
+def _wrap_style_dispatch(stock, partition: bool):
+    @functools.wraps(stock)
+    def dispatch(relative_plan):
+        # Keep the plan's order: `parallelize_module` shards in dict order, issuing collectives
+        # (scatters) as it goes, so every rank must walk the modules in the same sequence.
+        resolved = stock({k: v for k, v in relative_plan.items() if not isinstance(v, GatheredColwiseParallel)})
+        return {
+            path: _gathered_colwise(partition) if isinstance(style, GatheredColwiseParallel) else resolved[path]
+            for path, style in relative_plan.items()
+        }
+
+    return dispatch
+
+
+def check_plan_matches(model: torch.nn.Module, plan: dict) -> None:
+    """Every plan rule must name a Linear in `model`: a typo would otherwise silently shard nothing."""
+    for pattern in plan:
+        prefix, star, suffix = pattern.partition("*")
+        try:
+            if star:
+                container = model.get_submodule(prefix.strip("."))
+                targets = [block.get_submodule(suffix.strip(".")) for block in container]
+            else:
+                targets = [model.get_submodule(pattern)]
+        except AttributeError as error:
+            raise ValueError(
+                f"Tensor-parallel plan rule '{pattern}' matches nothing in {type(model).__name__}: {error}. Fix the "
+                "rule's module path (see `model.named_modules()`) or remove it."
+            ) from None
+        if not targets or not all(isinstance(t, torch.nn.Linear) for t in targets):
+            raise ValueError(
+                f"Tensor-parallel plan rule '{pattern}' must match nn.Linear modules in {type(model).__name__}, got "
+                f"{sorted({type(t).__name__ for t in targets}) or 'no module'}. Point it at the Linear itself."
+            )
+
+
+def _set_local_heads(model: torch.nn.Module) -> None:
+    """After sharding, `attn.heads` counts this rank's heads, so `unflatten(-1, (attn.heads, -1))` is right."""
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        to_q = getattr(module, "to_q", None)
+        heads, head_dim = getattr(module, "heads", None), getattr(module, "head_dim", None)
+        if isinstance(heads, int) and isinstance(head_dim, int) and isinstance(getattr(to_q, "weight", None), DTensor):
+            module.heads = to_q.weight.to_local().shape[0] // head_dim
+
+
+def _wrap_apply_tensor_parallel(stock):
+    @functools.wraps(stock)
+    def apply_tensor_parallel(model, config, tp_plan, weights_already_sharded=False):
+        stock(model, config, tp_plan, weights_already_sharded=weights_already_sharded)
+        _set_local_heads(model)
+
+    return apply_tensor_parallel
+
+
 _installed = False
 
 
@@ -156,12 +259,23 @@ def install() -> None:
     if _installed:
         return
     _check_diffusers_version()
-    from diffusers.hooks import tensor_parallel
+    from diffusers import hooks
+    from diffusers.hooks import tensor_parallel, tensor_parallel_neuron
+
+    from . import tp_plans
     from diffusers.models.modeling_utils import ModelMixin
 
     if "cpu" not in tensor_parallel._SUPPORTED_TP_DEVICES:
         tensor_parallel._SUPPORTED_TP_DEVICES = (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu")
     tensor_parallel._check_tp_supported = _wrap_check_tp_supported(tensor_parallel._check_tp_supported)
+    tensor_parallel.resolve_tp_shard_specs = _wrap_resolve_tp_shard_specs(tensor_parallel.resolve_tp_shard_specs)
+    tensor_parallel._styles = _wrap_style_dispatch(tensor_parallel._styles, partition=True)
+    tensor_parallel._hooks_only_styles = _wrap_style_dispatch(tensor_parallel._hooks_only_styles, partition=False)
+    # The Neuron backend bound `_hooks_only_styles` by name at its import; rebind it there too.
+    tensor_parallel_neuron._hooks_only_styles = tensor_parallel._hooks_only_styles
+    tensor_parallel.apply_tensor_parallel = _wrap_apply_tensor_parallel(tensor_parallel.apply_tensor_parallel)
+    hooks.apply_tensor_parallel = tensor_parallel.apply_tensor_parallel
+    tp_plans.register()
     ModelMixin._resolve_parallel_config = _wrap_resolve_parallel_config(ModelMixin._resolve_parallel_config)
     ModelMixin.enable_parallelism = _wrap_enable_parallelism(ModelMixin.enable_parallelism)
     _installed = True

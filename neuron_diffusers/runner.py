@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import tiny
 from .distributed import is_tp_leader, rank
-from .integration import mesh_device
+from .integration import check_heads_divisible, mesh_device
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
@@ -44,28 +44,34 @@ def resolve_model(model: str | os.PathLike) -> Path:
     return path
 
 
-def _component_class(checkpoint: Path, name: str):
+def transformer_class_name(checkpoint: Path) -> str:
+    """The transformer's class name, from `model_index.json` or a modular pipeline's index (H3)."""
+    for index_name in ("model_index.json", "modular_model_index.json"):
+        index_path = checkpoint / index_name
+        if index_path.is_file():
+            entry = json.loads(index_path.read_text()).get("transformer")
+            if entry is None:
+                raise ValueError(f"{index_path} lists no 'transformer' component.")
+            if entry[0] != "diffusers":
+                raise ValueError(f"The transformer of {checkpoint} is a {entry[0]}.{entry[1]}, not a diffusers model.")
+            # `[library, class]`, or a modular `[library, class, spec]` whose spec may carry the class alone.
+            return entry[1] or entry[2]["type_hint"][1]
+    raise FileNotFoundError(
+        f"{checkpoint} has neither model_index.json nor modular_model_index.json: point at the folder that a "
+        f"pipeline's `save_pretrained` wrote, or name a tiny family ({', '.join(tiny.FAMILIES)})."
+    )
+
+
+def transformer_class(checkpoint: Path):
     import diffusers
 
-    index = json.loads((checkpoint / "model_index.json").read_text())
-    if name not in index:
-        raise ValueError(f"{checkpoint} has no '{name}' component in model_index.json.")
-    library, class_name = index[name]
-    if library != "diffusers":
-        raise ValueError(f"'{name}' of {checkpoint} is a {library}.{class_name}, not a diffusers model.")
-    return getattr(diffusers, class_name)
+    return getattr(diffusers, transformer_class_name(checkpoint))
 
 
 def check_heads(checkpoint: Path, tp: int) -> None:
-    """Reject a TP degree that does not divide the attention heads, naming the valid ones."""
+    """Reject a TP degree that does not divide the checkpoint's attention heads, before the process group starts."""
     config = json.loads((checkpoint / "transformer" / "config.json").read_text())
-    heads = config.get("num_attention_heads")
-    if heads is not None and heads % tp != 0:
-        valid = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise ValueError(
-            f"--tp {tp} does not divide the {heads} attention heads of {checkpoint}: each rank must own whole "
-            f"heads. Valid TP degrees for this model: {valid}."
-        )
+    check_heads_divisible(str(checkpoint), config.get("num_attention_heads"), tp)
 
 
 @dataclass
@@ -94,7 +100,7 @@ def load_pipeline(model: str | os.PathLike, mesh: DeviceMesh, torch_dtype: torch
     checkpoint = resolve_model(model)
     tp_mesh = mesh["tp"]
     check_heads(checkpoint, tp_mesh.size())
-    transformer_cls = _component_class(checkpoint, "transformer")
+    transformer_cls = transformer_class(checkpoint)
     parallel = {"parallel_config": TensorParallelConfig(mesh=tp_mesh)} if tp_mesh.size() > 1 else {}
     transformer = transformer_cls.from_pretrained(
         checkpoint, subfolder="transformer", dtype=torch_dtype, **parallel

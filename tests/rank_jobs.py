@@ -26,21 +26,41 @@ def capture_transformer_call(pipe, **call_kwargs):
     return args, kwargs
 
 
-def first_output(output):
-    """The transformer's prediction, whatever container the family returns it in."""
-    if isinstance(output, (tuple, list)):
-        return output[0]
-    return getattr(output, "sample", output)
+def reference_call(checkpoint, family):
+    """The transformer's first real call in the stock single-process pipeline, and its predictions."""
+    from diffusers import DiffusionPipeline
+
+    from neuron_diffusers import tiny
+
+    height, width = tiny.default_size(family)
+    call = dict(prompt="a red fox in the snow", height=height, width=width, generator=torch.Generator().manual_seed(0))
+    if family == "h3":
+        from neuron_diffusers.tiny import h3
+
+        pipe = h3.load(checkpoint, workflow="t2va")
+        call.update(num_frames=h3.DEFAULT_NUM_FRAMES, num_inference_steps=3, output="videos")
+    else:
+        pipe = DiffusionPipeline.from_pretrained(checkpoint)
+        call.update(num_inference_steps=2, output_type="latent")
+    args, kwargs = capture_transformer_call(pipe, **call)
+    with torch.no_grad():
+        return args, kwargs, predictions(pipe.transformer(*args, **kwargs))
+
+
+def predictions(output) -> tuple:
+    """Every tensor the transformer predicts (H3: video and audio), whatever container holds them."""
+    items = output.to_tuple() if hasattr(output, "to_tuple") else output
+    if isinstance(items, torch.Tensor):
+        return (items,)
+    return tuple(item for item in items if isinstance(item, torch.Tensor))
 
 
 def _load_tp(checkpoint, mesh):
-    import json
-
-    import diffusers
     from diffusers import TensorParallelConfig
 
-    cls_name = json.loads((checkpoint / "model_index.json").read_text())["transformer"][1]
-    cls = getattr(diffusers, cls_name)
+    from neuron_diffusers.runner import transformer_class
+
+    cls = transformer_class(checkpoint)
     model = cls.from_pretrained(checkpoint, subfolder="transformer", parallel_config=TensorParallelConfig(mesh=mesh))
     return cls, model
 
@@ -48,8 +68,9 @@ def _load_tp(checkpoint, mesh):
 def _max_diff(model, call) -> float:
     args, kwargs, reference = call
     with torch.no_grad():
-        out = first_output(model(*args, **kwargs))
-    return (out - reference).abs().max().item()
+        outputs = predictions(model(*args, **kwargs))
+    assert len(outputs) == len(reference) > 0
+    return max((out - ref).abs().max().item() for out, ref in zip(outputs, reference))
 
 
 def _shard_report(model, plan, tp) -> dict:
@@ -151,4 +172,67 @@ def spine_checks(checkpoints: dict, calls: dict) -> dict:
         rejections["enable_mps"] = str(error)
     rejections["enable_mps_untouched"] = plain._parallel_config is None
     report["rejections"] = rejections
+    return report
+
+
+def plan_checks(checkpoints: dict, calls: dict, checkpoint_missing_a_key) -> dict:
+    """Our plans for every family at TP=2 and TP=4 (on 4 ranks), and the checks made before any weight is read."""
+    import neuron_diffusers as nd
+    import safetensors
+    from diffusers import TensorParallelConfig
+
+    from neuron_diffusers.tp_plans import stock_plan, using_plan
+
+    report = {}
+    for tp in (2, 4):
+        mesh = nd.init_distributed(tp=tp)
+        for family, checkpoint in checkpoints.items():
+            cls, model = _load_tp(checkpoint, mesh["tp"])
+            report[family, tp] = {
+                "diff": _max_diff(model, calls[family]),
+                "ours": cls._tp_plan is not stock_plan(cls),
+                **_shard_report(model, cls._tp_plan, tp),
+            }
+            if family == "h3":
+                report["h3_heads", tp] = {m.heads for m in model.modules() if type(m).__name__ == "MiniMaxH3Attention"}
+
+    from neuron_diffusers.runner import transformer_class
+
+    cls = transformer_class(checkpoints["flux"])
+    tp_mesh = nd.init_distributed(tp=2)["tp"]
+
+    class _ThreeRankMesh:
+        device_type, ndim = "cpu", 1
+
+        def size(self):
+            return 3
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("a weight was read before the plan was checked")
+
+    errors = {}
+    stock_open = safetensors.safe_open
+    safetensors.safe_open = no_reads
+    try:
+        for label, plan, mesh in (
+            ("typo", {**cls._tp_plan, "transformer_blocks.*.attn.to_qq": "colwise"}, tp_mesh),
+            ("not_linear", {**cls._tp_plan, "transformer_blocks.*.attn": "colwise"}, tp_mesh),
+            ("heads", cls._tp_plan, _ThreeRankMesh()),
+        ):
+            with using_plan(cls, plan):
+                try:
+                    cls.from_pretrained(checkpoints["flux"], subfolder="transformer",
+                                        parallel_config=TensorParallelConfig(mesh=mesh))
+                    errors[label] = "accepted"
+                except (ValueError, AssertionError) as error:
+                    errors[label] = f"{type(error).__name__}: {error}"
+    finally:
+        safetensors.safe_open = stock_open
+    try:
+        cls.from_pretrained(checkpoint_missing_a_key, subfolder="transformer",
+                            parallel_config=TensorParallelConfig(mesh=tp_mesh))
+        errors["missing_key"] = "accepted"
+    except ValueError as error:
+        errors["missing_key"] = str(error)
+    report["errors"] = errors
     return report

@@ -1,35 +1,17 @@
 """Stock diffusers TP on CPU meshes after `import neuron_diffusers`: 2 gloo ranks vs one process."""
 
-import json
-
-import diffusers
 import pytest
-import torch
 
 from neuron_diffusers.spawn import run_on_cpu_ranks
-from neuron_diffusers.tiny import default_size
 
 import rank_jobs
 from conftest import IMAGE_FAMILIES
 
 
-def _reference_call(checkpoint, family):
-    """The transformer's first real call in the stock single-process pipeline, and its output."""
-    pipe = diffusers.DiffusionPipeline.from_pretrained(checkpoint)
-    height, width = default_size(family)
-    args, kwargs = rank_jobs.capture_transformer_call(
-        pipe, prompt="a red fox in the snow", height=height, width=width, num_inference_steps=2,
-        generator=torch.Generator().manual_seed(0), output_type="latent",
-    )
-    with torch.no_grad():
-        reference = rank_jobs.first_output(pipe.transformer(*args, **kwargs))
-    return args, kwargs, reference
-
-
 @pytest.fixture(scope="module")
 def spine_report(tiny_checkpoint):
     checkpoints = {family: tiny_checkpoint(family) for family in IMAGE_FAMILIES}
-    calls = {family: _reference_call(checkpoints[family], family) for family in IMAGE_FAMILIES}
+    calls = {family: rank_jobs.reference_call(checkpoints[family], family) for family in IMAGE_FAMILIES}
     reports = run_on_cpu_ranks(rank_jobs.spine_checks, 2, checkpoints, calls)
     return reports
 

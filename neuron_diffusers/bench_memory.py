@@ -1,0 +1,109 @@
+"""Per-rank weight memory of every family at TP 1/2/4/8, our plans vs stock, against the total/N limit.
+
+`python -m neuron_diffusers.bench_memory [--out DIR]` (or `neuron-diffusers bench memory`) prints a
+markdown table and writes `memory.json`, `memory.md` and `memory.png` into DIR. Every figure is
+measured by `plan_report` on the full-size default configs built on the `meta` device, so the run
+takes seconds on a laptop and nothing in it is hand-maintained. MiniMax-H3 has no stock plan:
+stock loads the full model on every rank, so its stock per-rank figure is the total.
+
+`--rss` runs the other benchmark instead: peak RSS of a real tensor-parallel load (`bench_rss`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from . import bench_plot, bench_rss
+from .plan_report import BF16_BYTES, GIB, meta_model, per_rank_params, plan_dict
+from .tp_plans import FAMILY_PLANS, model_class, stock_plan
+
+DEGREES = (1, 2, 4, 8)
+NAMES = {"flux": "FLUX.1", "flux2": "FLUX.2", "qwenimage": "Qwen-Image", "qwenimage21": "Qwen-Image-2.1",
+         "h3": "MiniMax-H3"}
+
+
+def _gib(params: float) -> float:
+    return params * BF16_BYTES / GIB
+
+
+def measure(families=tuple(FAMILY_PLANS), degrees=DEGREES) -> list[dict]:
+    """One row per (family, degree): total, limit, stock and our per-rank GiB in bf16.
+
+    A degree a plan cannot split evenly gets `None` for that plan (none of the defaults hit this).
+    """
+    rows = []
+    for family in families:
+        _, model = meta_model(family)
+        total = sum(p.numel() for p in model.parameters())
+        ours, stock = plan_dict(family, "ours"), stock_plan(model_class(family))
+        for tp in degrees:
+            row = {"family": family, "name": NAMES[family], "model_class": type(model).__name__, "tp": tp,
+                   "total_gib": _gib(total), "limit_gib": _gib(total / tp), "stock_has_plan": stock is not None}
+            for label, plan in (("stock", stock), ("ours", ours)):
+                try:
+                    row[f"{label}_gib"] = _gib(per_rank_params(model, plan, tp))
+                except ValueError:
+                    row[f"{label}_gib"] = None
+            rows.append(row)
+    return rows
+
+
+def _cell(gib: float | None, limit: float) -> str:
+    return "n/a" if gib is None else f"{gib:.2f} ({gib / limit:.2f}x)"
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table `memory.md` holds: per-rank GiB (bf16) and its ratio to total/N."""
+    lines = [
+        "| Model | TP | total/N limit (GiB) | stock per rank (GiB) | ours per rank (GiB) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        stock = _cell(row["stock_gib"], row["limit_gib"]) + ("" if row["stock_has_plan"] else " no plan")
+        lines.append(f"| {row['name']} ({row['total_gib']:.2f} GiB) | {row['tp']} | {row['limit_gib']:.2f} | "
+                     f"{stock} | {_cell(row['ours_gib'], row['limit_gib'])} |")
+    if not all(row["stock_has_plan"] for row in rows):
+        lines += ["", "\"no plan\": diffusers ships no tensor-parallel plan for the model, so stock loads the full "
+                      "model on every rank (per rank = total)."]
+    return "\n".join(lines) + "\n"
+
+
+def run(out: Path, families=tuple(FAMILY_PLANS), degrees=DEGREES) -> dict[str, Path]:
+    """Measure, print the table, and write `memory.json`, `memory.md`, `memory.png` into `out`."""
+    rows = measure(families, degrees)
+    table = markdown(rows)
+    print(table, end="")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "memory.json", "md": out / "memory.md", "png": out / "memory.png"}
+    paths["json"].write_text(json.dumps(rows, indent=2) + "\n")
+    paths["md"].write_text(table)
+    bench_plot.grouped_bars(rows, paths["png"])
+    return paths
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="folder for memory.json / .md / .png (default: bench-results)")
+    parser.add_argument("--rss", action="store_true",
+                        help="instead: peak RSS of a plain vs a TP=2 load of a generated ~0.5 GB checkpoint")
+
+
+def main_with(args: argparse.Namespace) -> None:
+    if args.rss:
+        bench_rss.run()
+    else:
+        paths = run(args.out)
+        print(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m neuron_diffusers.bench_memory",
+                                     description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    main_with(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Peak-RSS evidence that a tensor-parallel load never materialises a full planned weight on a rank.
+
+The plan report counts what a rank *keeps*; this measures what a rank's process *touches* while
+loading. It writes a FLUX.1-architecture transformer at full width (hidden 2048, 16 heads x 128)
+but only three blocks, with random bf16 weights (about 0.57 GiB of safetensors), then loads it in
+fresh processes:
+
+(a) one process, plain `from_pretrained`;
+(b) two gloo CPU ranks, `from_pretrained(..., parallel_config=TensorParallelConfig(mesh))`.
+
+Each process resets its peak-RSS mark (`/proc/self/clear_refs`, Linux) right before the load,
+then reports growth over the RSS it had then: the peak during the load, the RSS at its end split
+into anonymous (allocated by the process) and file-backed (pages of the mmapped checkpoint), and
+the peak once every weight it holds has been read (safetensors weights are mmap views, resident
+only once read). A rank that materialised a full planned weight and kept only its slice would show
+a load peak above its end-of-load RSS, or anonymous memory beyond the slices it had to copy.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from diffusers.hooks import tensor_parallel
+
+from .plan_report import BF16_BYTES, meta_model, plan_dict, plan_report, sharded_names
+from .spawn import run_on_cpu_ranks
+
+CONFIG = dict(num_attention_heads=16, attention_head_dim=128, num_layers=1, num_single_layers=2,
+              joint_attention_dim=2048, pooled_projection_dim=768, in_channels=64)
+MB = 2**20
+
+
+def build_checkpoint(path: Path, seed: int = 0) -> Path:
+    """Write the random transformer as a one-component pipeline folder (`transformer/` + `model_index.json`)."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**CONFIG)
+    # `torch.nn.Module.to`, not `ModelMixin.to`, which warns about fp32-only modules this model has none of.
+    torch.nn.Module.to(model, torch.bfloat16)
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02, generator=generator)
+    model.save_pretrained(path / "transformer")
+    (path / "model_index.json").write_text(json.dumps(
+        {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}))
+    return path
+
+
+def _rss_mib() -> dict[str, float]:
+    """This process's peak, current, anonymous and file-backed resident memory (Linux `/proc/self/status`)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return {key: int(fields[name].split()[0]) / 1024
+            for key, name in (("peak", "VmHWM"), ("now", "VmRSS"), ("anon", "RssAnon"), ("file", "RssFile"))}
+
+
+def _measured_load(checkpoint: str, tp: bool) -> dict:
+    """Runs in a fresh process: load the transformer, then read every weight once; RSS growth in MiB."""
+    import torch.distributed as dist
+    from diffusers import FluxTransformer2DModel, TensorParallelConfig
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    kwargs = {}
+    if tp:
+        kwargs["parallel_config"] = TensorParallelConfig(mesh=DeviceMesh("cpu", list(range(dist.get_world_size()))))
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+    before = _rss_mib()
+    model = FluxTransformer2DModel.from_pretrained(checkpoint, subfolder="transformer", torch_dtype=torch.bfloat16,
+                                                   **kwargs)
+    loaded = _rss_mib()
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    with torch.no_grad():
+        for tensor in local:  # mmap-backed weights become resident only when read
+            tensor.view(torch.uint8).max()
+    used = _rss_mib()
+    return {
+        "held_mib": sum(t.nbytes for t in local) / MB,
+        "load_peak_mib": loaded["peak"] - before["now"],
+        "load_end_mib": loaded["now"] - before["now"],
+        "load_anon_mib": loaded["anon"] - before["anon"],
+        "load_file_mib": loaded["file"] - before["file"],
+        "used_peak_mib": used["peak"] - before["now"],
+    }
+
+
+def _expected(checkpoint: Path, tp: int) -> dict[str, float]:
+    """What the plan predicts for one rank, in MiB of bf16.
+
+    `rowwise_slices`: a rowwise slice is strided in the row-major file, so the loader copies it
+    (anonymous memory) and reads every page of the whole weight through the mmap (file-backed);
+    colwise slices and replicated weights stay zero-copy views of the file.
+    """
+    family, model = meta_model(str(checkpoint))
+    plan = plan_dict(family, "ours")
+    specs = tensor_parallel.resolve_tp_shard_specs(model, plan, tp)
+    params = dict(model.named_parameters())
+    sharded = sharded_names(model, plan, tp)
+    return {
+        "share": plan_report(str(checkpoint), tp)["per_rank_bytes_bf16"] / MB,
+        "rowwise_slices": sum(params[n].numel() // tp for n, spec in specs.items() if spec.dim == 1) * BF16_BYTES / MB,
+        "largest_planned_weight": max(params[n].numel() for n in sharded) * BF16_BYTES / MB,
+    }
+
+
+def run(seed: int = 0) -> dict:
+    """Build the checkpoint in a temporary folder, measure (a) and (b), print and return the figures."""
+    with tempfile.TemporaryDirectory(prefix="neuron-diffusers-rss-") as tmp:
+        checkpoint = build_checkpoint(Path(tmp), seed)
+        result = {
+            "checkpoint_mib": sum(f.stat().st_size for f in checkpoint.rglob("*.safetensors")) / MB,
+            "tp2_expected_mib": _expected(checkpoint, 2),
+            "plain": run_on_cpu_ranks(_measured_load, 1, str(checkpoint), False)[0],
+            "tp2": run_on_cpu_ranks(_measured_load, 2, str(checkpoint), True),
+        }
+    print(format_rss(result))
+    return result
+
+
+def format_rss(result: dict) -> str:
+    """A markdown table of `run`'s result, with the figures it is to be read against."""
+    expected = result["tp2_expected_mib"]
+    lines = [
+        f"checkpoint: {result['checkpoint_mib']:.0f} MiB of bf16 safetensors (FLUX.1 architecture, {CONFIG})",
+        f"TP=2 rank, as planned: {expected['share']:.0f} MiB held, of which {expected['rowwise_slices']:.0f} MiB "
+        f"rowwise slices (copied); largest planned weight, whole: {expected['largest_planned_weight']:.0f} MiB",
+        "",
+        "| load | weights held | load: peak growth | load: growth at end (anon + file) | peak growth once every "
+        "weight was read |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    rows = [("plain, 1 process", result["plain"])] + [(f"TP=2, rank {r}", row) for r, row in enumerate(result["tp2"])]
+    for label, row in rows:
+        lines.append(f"| {label} | {row['held_mib']:.0f} | {row['load_peak_mib']:.0f} | {row['load_end_mib']:.0f} "
+                     f"({row['load_anon_mib']:.0f} + {row['load_file_mib']:.0f}) | {row['used_peak_mib']:.0f} |")
+    lines.append("\n(MiB; growth over each process's RSS right before `from_pretrained`)")
+    return "\n".join(lines)
