@@ -26,7 +26,7 @@ import torch
 
 from diffusers.hooks import tensor_parallel
 
-from .plan_report import BF16_BYTES, meta_model, plan_dict, plan_report, sharded_names
+from .plan_report import BF16_BYTES, held_params, meta_model, plan_dict
 from .spawn import run_on_cpu_ranks
 
 CONFIG = dict(num_attention_heads=16, attention_head_dim=128, num_layers=1, num_single_layers=2,
@@ -72,7 +72,7 @@ def _measured_load(checkpoint: str, tp: bool) -> dict:
         kwargs["parallel_config"] = TensorParallelConfig(mesh=DeviceMesh("cpu", list(range(dist.get_world_size()))))
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = _rss_mib()
-    model = FluxTransformer2DModel.from_pretrained(checkpoint, subfolder="transformer", torch_dtype=torch.bfloat16,
+    model = FluxTransformer2DModel.from_pretrained(checkpoint, subfolder="transformer", dtype=torch.bfloat16,
                                                    **kwargs)
     loaded = _rss_mib()
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
@@ -98,12 +98,11 @@ def _expected(checkpoint: Path, tp: int) -> dict[str, float]:
     colwise slices and replicated weights stay zero-copy views of the file.
     """
     family, model = meta_model(str(checkpoint))
-    plan = plan_dict(family, "ours")
-    specs = tensor_parallel.resolve_tp_shard_specs(model, plan, tp)
+    specs = tensor_parallel.resolve_tp_shard_specs(model, plan_dict(family, "ours"), tp)
     params = dict(model.named_parameters())
-    sharded = sharded_names(model, plan, tp)
+    sharded = {name for name, spec in specs.items() if spec.dim is not None}
     return {
-        "share": plan_report(str(checkpoint), tp)["per_rank_bytes_bf16"] / MB,
+        "share": held_params(model, sharded, tp) * BF16_BYTES / MB,
         "rowwise_slices": sum(params[n].numel() // tp for n, spec in specs.items() if spec.dim == 1) * BF16_BYTES / MB,
         "largest_planned_weight": max(params[n].numel() for n in sharded) * BF16_BYTES / MB,
     }

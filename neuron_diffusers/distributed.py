@@ -62,8 +62,9 @@ def detect_runtime() -> Runtime:
     return Runtime(rank, local_rank, world_size, device_type, backend)
 
 
-def valid_tp_degrees(world_size: int) -> list[int]:
-    return [d for d in range(1, world_size + 1) if world_size % d == 0]
+def divisors(n: int) -> list[int]:
+    """The degrees that split `n` ranks (or heads) evenly."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_tp_degree(tp: int, world_size: int) -> None:
@@ -72,7 +73,7 @@ def check_tp_degree(tp: int, world_size: int) -> None:
         raise ValueError(
             f"--tp {tp} does not divide the world size {world_size}: every rank must belong to exactly one "
             f"tensor-parallel group of the same size. Valid values for {world_size} rank(s): "
-            f"{valid_tp_degrees(world_size)}. Change --tp, or launch a multiple of {tp} ranks."
+            f"{divisors(world_size)}. Change --tp, or launch a multiple of {tp} ranks."
         )
 
 

@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 import torch
 
+from .distributed import divisors
 from .tp_plans.styles import GatheredColwiseParallel
 
 _PINNED_SERIES = "0.42."
@@ -81,10 +82,9 @@ def _check_tp_mesh(tp_config) -> None:
 def check_heads_divisible(model_name: str, num_heads: int | None, tp: int) -> None:
     """Each rank must own whole attention heads; name the TP degrees that work."""
     if num_heads is not None and num_heads % tp != 0:
-        valid = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
         raise ValueError(
             f"A tensor-parallel degree of {tp} does not divide the {num_heads} attention heads of {model_name}: "
-            f"each rank must own whole heads. Valid degrees for this model: {valid}."
+            f"each rank must own whole heads. Valid degrees for this model: {divisors(num_heads)}."
         )
 
 
@@ -261,9 +261,9 @@ def install() -> None:
     _check_diffusers_version()
     from diffusers import hooks
     from diffusers.hooks import tensor_parallel, tensor_parallel_neuron
+    from diffusers.models.modeling_utils import ModelMixin
 
     from . import tp_plans
-    from diffusers.models.modeling_utils import ModelMixin
 
     if "cpu" not in tensor_parallel._SUPPORTED_TP_DEVICES:
         tensor_parallel._SUPPORTED_TP_DEVICES = (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu")

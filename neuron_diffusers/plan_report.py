@@ -21,6 +21,7 @@ import torch
 from diffusers.hooks import tensor_parallel
 from diffusers.hooks.tensor_parallel import PackedRowwiseParallel
 
+from .distributed import divisors
 from .runner import transformer_class_name
 from .tp_plans import FAMILY_PLANS, GatheredColwiseParallel, model_class, stock_plan
 
@@ -75,10 +76,11 @@ def sharded_names(model: torch.nn.Module, plan: dict | None, tp: int) -> set[str
 
 def per_rank_params(model: torch.nn.Module, plan: dict | None, tp: int) -> int:
     """Parameters one rank holds under `plan` (`None`: no plan, the whole model on every rank)."""
-    return _held(model, sharded_names(model, plan, tp), tp)
+    return held_params(model, sharded_names(model, plan, tp), tp)
 
 
-def _held(model: torch.nn.Module, sharded: set[str], tp: int) -> int:
+def held_params(model: torch.nn.Module, sharded: set[str], tp: int) -> int:
+    """Parameters one rank holds when the parameters named in `sharded` are split `tp` ways."""
     return sum(p.numel() // tp if name in sharded else p.numel() for name, p in model.named_parameters())
 
 
@@ -87,7 +89,7 @@ def valid_tp_degrees(model: torch.nn.Module, plan: dict) -> list[int]:
     tensor_parallel.resolve_tp_shard_specs(model, plan, 1)  # a plan that does not fit the model fails here, loudly
     heads = model.config.num_attention_heads
     valid = [1]
-    for degree in (d for d in range(2, heads + 1) if heads % d == 0):
+    for degree in divisors(heads)[1:]:
         try:
             tensor_parallel.resolve_tp_shard_specs(model, plan, degree)
         except ValueError:
@@ -142,7 +144,7 @@ def plan_report(model: str, tp: int, plan: str = "ours") -> dict:
         )
     total = sum(p.numel() for p in meta.parameters())
     sharded = sharded_names(meta, rules, tp)
-    per_rank = _held(meta, sharded, tp)
+    per_rank = held_params(meta, sharded, tp)
     replicated = _replicated(meta, sharded, total)
     calls = _planned_calls(meta, rules)
     return {

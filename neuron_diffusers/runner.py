@@ -99,7 +99,8 @@ def load_pipeline(model: str | os.PathLike, mesh: DeviceMesh, torch_dtype: torch
 
     checkpoint = resolve_model(model)
     tp_mesh = mesh["tp"]
-    check_heads(checkpoint, tp_mesh.size())
+    # A TP degree that does not divide the heads is rejected by `from_pretrained` itself, before any
+    # weight is read (see `integration.check_heads_divisible`).
     transformer_cls = transformer_class(checkpoint)
     parallel = {"parallel_config": TensorParallelConfig(mesh=tp_mesh)} if tp_mesh.size() > 1 else {}
     transformer = transformer_cls.from_pretrained(
