@@ -1,7 +1,8 @@
 """`neuron-diffusers` (also `python -m neuron_diffusers`): `generate`, `tiny`, `plan` and `bench`.
 
 `generate` runs alone or under `torchrun`; every check of the user's input runs before the process
-group starts or any weight is read, and only one rank writes the image. `plan report` and
+group starts or any weight is read, and only one rank per TP group writes (a PNG, or for MiniMax-H3
+an MP4 with its WAV soundtrack). `plan report` and
 `bench memory` measure plans on models built on the meta device, so they need no weights.
 """
 
@@ -11,14 +12,15 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import bench_memory, plan_report, tiny
+from . import __version__, bench_memory, plan_report, tiny
 from .distributed import check_tp_degree, detect_runtime, init_distributed
+from .media import save_png, save_video
+from .pipelines import adapter_for
 from .runner import check_heads, load_pipeline, resolve_model
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -39,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="flux",
                      help="checkpoint folder, or a tiny family name built offline (default: flux, a tiny FLUX.1)")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--out", required=True, type=Path, help="PNG file to write")
+    gen.add_argument("--negative-prompt", default=None,
+                     help="for true classifier-free guidance (FLUX.1 with --true-cfg-scale, Qwen-Image, Qwen-Image-2.1)")
+    gen.add_argument("--out", required=True, type=Path,
+                     help="file to write: .png for image models, .mp4 for MiniMax-H3 (its audio also goes to .wav)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--tp", type=_positive, default=None, help="tensor-parallel degree (default: all ranks)")
     gen.add_argument("--height", type=_positive, default=None)
@@ -74,25 +79,21 @@ def _check_generate_args(args) -> None:
     """Everything that can be checked without a process group or a weight."""
     if not args.prompt.strip():
         raise ValueError("--prompt is empty: give the text to generate an image from.")
-    if args.out.suffix.lower() != ".png":
-        raise ValueError(f"--out {args.out} must end in .png: images are written as PNG.")
+    if args.out.suffix.lower() not in (".png", ".mp4"):
+        raise ValueError(f"--out {args.out} must end in .png (image models) or .mp4 (MiniMax-H3).")
     parent = args.out.parent.resolve()
     writable = parent if parent.exists() else next(p for p in parent.parents if p.exists())
     if not os.access(writable, os.W_OK):
         raise PermissionError(f"--out {args.out}: {writable} is not writable. Choose another output path.")
 
 
-def save_png_atomically(image, path: Path) -> None:
-    """Write to a temporary file beside `path` and rename it, so a crash never leaves a truncated PNG."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            image.save(handle, format="PNG")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def _check_output_kind(args, checkpoint: Path) -> None:
+    """A video model writes .mp4 and an image model .png, checked before any weight is read."""
+    makes_video = adapter_for(checkpoint).pipeline_class == "MiniMaxH3Blocks"
+    wanted = ".mp4" if makes_video else ".png"
+    if args.out.suffix.lower() != wanted:
+        kind = "video with audio" if makes_video else "images"
+        raise ValueError(f"--out {args.out}: {checkpoint} makes {kind}, so --out must end in {wanted}.")
 
 
 def _generate(args) -> None:
@@ -103,6 +104,7 @@ def _generate(args) -> None:
     # Every rank resolves the model itself: a tiny family is built into the cache by whichever rank
     # renames its build into place first (see `tiny.cached_tiny`), so no rank waits on another here.
     checkpoint = resolve_model(args.model)
+    _check_output_kind(args, checkpoint)
     check_heads(checkpoint, tp)
     mesh = init_distributed(tp=tp, timeout_s=args.timeout)
 
@@ -117,13 +119,24 @@ def _generate(args) -> None:
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     prompts = [args.prompt][dp_rank::dp_size]
     if prompts:
-        images = pipe.generate(prompts, seed=args.seed, height=height, width=width,
-                               num_inference_steps=args.steps)
-        if images is not None:
-            save_png_atomically(images[0], args.out)
-            print(f"wrote {args.out} (tp={tp}, dp={dp_size}, {dtype_name})", flush=True)
+        outputs = pipe.generate(prompts, seed=args.seed, negative_prompt=args.negative_prompt,
+                                height=height, width=width, num_inference_steps=args.steps)
+        if outputs is not None:
+            written = _save(outputs[0], args, tp=tp, dp=dp_size, dtype_name=dtype_name)
+            print(f"wrote {', '.join(map(str, written))} (tp={tp}, dp={dp_size}, {dtype_name})", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _save(output, args, **layout) -> list[Path]:
+    """The image as a PNG whose text chunks record how it was made, or the clip as MP4 + WAV."""
+    if args.out.suffix.lower() == ".mp4":
+        return save_video(output, args.out)
+    settings = {
+        "prompt": args.prompt, "negative_prompt": args.negative_prompt or "", "seed": args.seed,
+        "steps": args.steps, "model": args.model, **layout, "neuron_diffusers": __version__,
+    }
+    return [save_png(output, args.out, text={key: str(value) for key, value in settings.items()})]
 
 
 def _plan_report(args) -> None:

@@ -117,3 +117,25 @@ def is_main_process() -> bool:
 def is_tp_leader(mesh: DeviceMesh) -> bool:
     """Rank 0 of this process's TP group: the one that encodes, decodes and saves for the group."""
     return mesh["tp"].get_local_rank() == 0
+
+
+def broadcast_from_leader(tensors: dict[str, torch.Tensor] | None, group, device: torch.device) -> dict[str, torch.Tensor]:
+    """The group leader's (group rank 0) `tensors`, on `device`, on every rank of `group`.
+
+    Only the leader passes `tensors` (the others pass `None`): names, shapes and dtypes go first as one small
+    object, then each tensor in one broadcast on `device`, so the same code serves gloo, NCCL and Neuron.
+    """
+    leader = dist.get_global_rank(group, 0)
+    is_leader = dist.get_rank() == leader
+    if is_leader and tensors is None:
+        raise ValueError("The group leader must pass the tensors to broadcast.")
+    if dist.get_world_size(group) == 1:
+        return {name: tensor.to(device) for name, tensor in tensors.items()}
+    specs = [[(name, tuple(t.shape), t.dtype) for name, t in tensors.items()] if is_leader else None]
+    dist.broadcast_object_list(specs, src=leader, group=group, device=device)
+    received = {}
+    for name, shape, dtype in specs[0]:
+        tensor = tensors[name].to(device).contiguous() if is_leader else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=leader, group=group)
+        received[name] = tensor
+    return received

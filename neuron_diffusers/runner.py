@@ -1,8 +1,9 @@
 """Load a stock pipeline with its transformer sharded over the mesh's `tp` dimension, and generate.
 
-The one data path: resolve the checkpoint → read its config (all checks happen here, before any
-weight is read) → stream each rank's transformer slice → assemble the stock pipeline → denoise
-with the same CPU-seeded noise on every rank of the TP group.
+The one data path, per TP group: resolve the checkpoint → read its config (all checks happen here, before any
+weight is read) → stream each rank's transformer slice → the leader (TP rank 0) loads the text encoder on CPU,
+encodes each prompt once and broadcasts the embeddings → every rank denoises the same CPU-seeded noise with the
+stock pipeline, checking that the group's latents agree → the leader decodes and returns the image.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import tiny
-from .distributed import is_tp_leader, rank
+from .consistency import LatentAgreement
+from .distributed import broadcast_from_leader, init_distributed, is_tp_leader, rank
 from .integration import check_heads_divisible, mesh_device
+from .pipelines import adapter_for
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
@@ -31,16 +34,12 @@ def resolve_model(model: str | os.PathLike) -> Path:
             f"Model '{model}' is neither a local checkpoint folder nor a tiny family ({', '.join(tiny.FAMILIES)}). "
             "Download the checkpoint first (e.g. `hf download ID --local-dir DIR`) and pass the folder."
         )
-    if (path / "modular_model_index.json").is_file():
-        raise ValueError(
-            f"{path} is a modular pipeline (such as MiniMax-H3), which `generate` cannot run yet: it supports "
-            "the FluxPipeline, Flux2Pipeline, QwenImagePipeline and QwenImage21Pipeline families."
-        )
-    if not (path / "model_index.json").is_file():
+    if not any((path / index).is_file() for index in ("model_index.json", "modular_model_index.json")):
         raise FileNotFoundError(
             f"{path} is not a diffusers pipeline checkpoint: it has no model_index.json. Point --model at the "
             f"folder that `save_pretrained` wrote, or name a tiny family ({', '.join(tiny.FAMILIES)})."
         )
+    adapter_for(path)  # an unsupported pipeline family fails here, before any weight is read
     return path
 
 
@@ -74,45 +73,124 @@ def check_heads(checkpoint: Path, tp: int) -> None:
     check_heads_divisible(str(checkpoint), config.get("num_attention_heads"), tp)
 
 
+# Inputs `generate` owns: passing them would bypass the one-rank encoding or the rank-consistent noise.
+_OWNED_KWARGS = {
+    "prompt": "pass prompts as the first argument",
+    "prompt_embeds": "`generate` encodes each prompt once on the group leader and broadcasts the embeddings",
+    "negative_prompt_embeds": "pass `negative_prompt`; it is encoded once on the group leader",
+    "generator": "pass `seed`: image i uses a CPU generator seeded with seed + i on every rank of the group",
+    "latents": "pass `seed`: every rank of the group must start from the same noise",
+    "num_images_per_prompt": "repeat the prompt: each image gets its own seed (seed + index)",
+    "callback_on_step_end": "`generate` uses the step callback to check that the group's latents agree",
+}
+
+
 @dataclass
 class TPPipeline:
-    """A stock diffusers pipeline whose transformer is sharded over `mesh["tp"]`."""
+    """A stock diffusers pipeline whose transformer is sharded over `mesh["tp"]`.
 
+    `encoder` (the text components, on CPU) exists only on the TP group's leader; `pipe` (transformer, scheduler,
+    and the VAE on the leader) on every rank.
+    """
+
+    adapter: object
     pipe: object
+    encoder: object | None
     mesh: DeviceMesh
+    buckets: tuple[int, ...]
 
-    def generate(self, prompts: list[str], *, seed: int = 0, **pipeline_kwargs) -> list | None:
-        """Images for `prompts` (PIL), on the TP group's leader; `None` on its other ranks.
+    @property
+    def is_leader(self) -> bool:
+        return is_tp_leader(self.mesh)
 
-        The noise of image `i` comes from a CPU generator seeded with `seed + i`, so every rank of
-        the TP group draws exactly the same latents whatever its device.
+    def generate(
+        self,
+        prompts: str | list[str],
+        *,
+        seed: int = 0,
+        negative_prompt: str | list[str] | None = None,
+        check_latents_every: int | None = None,
+        **pipeline_kwargs,
+    ) -> list | None:
+        """One image (H3: a `VideoWithAudio`) per prompt, on the TP group's leader; `None` on its other ranks.
+
+        Every rank of the group must call this with the same arguments. Image `i` is denoised from a CPU generator
+        seeded with `seed + i`, identical on every rank whatever its device; the group's latents are compared at
+        the first and last step (and every `check_latents_every` steps), raising `LatentsDivergedError` on every
+        rank if they differ. `pipeline_kwargs` go to the stock pipeline call (height, width, num_inference_steps,
+        guidance_scale, true_cfg_scale, ...).
         """
-        generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(len(prompts))]
-        with torch.no_grad():
-            images = self.pipe(prompt=list(prompts), generator=generators, **pipeline_kwargs).images
-        return images if is_tp_leader(self.mesh) else None
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        negatives = self._negatives(negative_prompt, len(prompts))
+        for name, why in _OWNED_KWARGS.items():
+            if name in pipeline_kwargs:
+                raise ValueError(f"`generate` does not take `{name}`: {why}.")
+        encode_kwargs = {k: pipeline_kwargs[k] for k in self.adapter.encode_kwargs if k in pipeline_kwargs}
+        outputs = []
+        for index, (prompt, negative) in enumerate(zip(prompts, negatives)):
+            embeds = self._encode(prompt, negative, encode_kwargs)
+            generator = torch.Generator("cpu").manual_seed(seed + index)
+            check = LatentAgreement(self.mesh["tp"].get_group(), every=check_latents_every)
+            with torch.no_grad():
+                outputs.append(
+                    self.adapter(self.pipe, embeds, generator=generator, decodes=self.is_leader, check=check,
+                                 **pipeline_kwargs)
+                )
+        return outputs if self.is_leader else None
+
+    def _negatives(self, negative_prompt, count: int) -> list:
+        if negative_prompt is None:
+            return [None] * count
+        if not self.adapter.takes_negative_prompt:
+            raise ValueError(
+                f"{self.adapter.pipeline_class} is guidance-distilled and takes no negative prompt: drop `negative_prompt`."
+            )
+        negatives = [negative_prompt] * count if isinstance(negative_prompt, str) else list(negative_prompt)
+        if len(negatives) != count:
+            raise ValueError(f"Got {len(negatives)} negative prompts for {count} prompts: give one, or one per prompt.")
+        return negatives
+
+    def _encode(self, prompt: str, negative: str | None, encode_kwargs: dict) -> dict[str, torch.Tensor]:
+        """Encode on the leader's CPU, pad to a length bucket, and broadcast to the group on its device."""
+        embeds = None
+        if self.is_leader:
+            with torch.no_grad():
+                embeds = self.adapter.pad(self.adapter.encode(self.encoder, prompt, negative, **encode_kwargs),
+                                          self.buckets)
+        tp_mesh = self.mesh["tp"]
+        return broadcast_from_leader(embeds, tp_mesh.get_group(), mesh_device(tp_mesh))
 
 
-def load_pipeline(model: str | os.PathLike, mesh: DeviceMesh, torch_dtype: torch.dtype | None = None) -> TPPipeline:
-    """The stock pipeline of `model` with its transformer streamed shard-by-shard over `mesh["tp"]`."""
-    from diffusers import DiffusionPipeline, TensorParallelConfig
+def load_pipeline(
+    model: str | os.PathLike,
+    mesh: DeviceMesh | None = None,
+    torch_dtype: torch.dtype | None = None,
+    *,
+    buckets: tuple[int, ...] | None = None,
+) -> TPPipeline:
+    """The stock pipeline of `model` with its transformer streamed shard-by-shard over `mesh["tp"]`.
+
+    `mesh` defaults to `init_distributed()` (all ranks in one TP group). Only the TP group's leader loads the text
+    encoder (on CPU) and the VAE. `buckets` overrides the family's static text lengths (`()` turns padding off).
+    """
+    from diffusers import TensorParallelConfig
 
     checkpoint = resolve_model(model)
+    adapter = adapter_for(checkpoint)
+    mesh = init_distributed() if mesh is None else mesh
     tp_mesh = mesh["tp"]
-    # A TP degree that does not divide the heads is rejected by `from_pretrained` itself, before any
-    # weight is read (see `integration.check_heads_divisible`).
-    transformer_cls = transformer_class(checkpoint)
+    device = mesh_device(tp_mesh)
+    leader = is_tp_leader(mesh)
+    # A TP degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is
+    # read (see `integration.check_heads_divisible`).
     parallel = {"parallel_config": TensorParallelConfig(mesh=tp_mesh)} if tp_mesh.size() > 1 else {}
-    transformer = transformer_cls.from_pretrained(
+    transformer = transformer_class(checkpoint).from_pretrained(
         checkpoint, subfolder="transformer", dtype=torch_dtype, **parallel
     )
-    device = mesh_device(tp_mesh)
     if not parallel:
         transformer.to(device)
-    pipe = DiffusionPipeline.from_pretrained(checkpoint, transformer=transformer, dtype=torch_dtype)
-    for name, component in pipe.components.items():
-        if name != "transformer" and isinstance(component, torch.nn.Module):
-            component.to(device)
+    encoder = adapter.load_encoder(checkpoint, torch_dtype) if leader else None
+    pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader)
     # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
     pipe.set_progress_bar_config(disable=rank() != 0)
-    return TPPipeline(pipe, mesh)
+    return TPPipeline(adapter, pipe, encoder, mesh, adapter.buckets if buckets is None else tuple(buckets))

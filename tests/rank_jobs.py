@@ -236,3 +236,60 @@ def plan_checks(checkpoints: dict, calls: dict, checkpoint_missing_a_key) -> dic
         errors["missing_key"] = str(error)
     report["errors"] = errors
     return report
+
+
+def _as_arrays(output):
+    """A generated image (PIL) or clip (`VideoWithAudio`) as numpy arrays, so it pickles small and compares."""
+    import numpy as np
+
+    if hasattr(output, "frames"):
+        return {"frames": output.frames.numpy(), "audio": output.audio.numpy(), "fps": output.fps,
+                "sampling_rate": output.sampling_rate}
+    return {"image": np.asarray(output, dtype=np.float32) / 255.0}
+
+
+def _loaded_models():
+    """Class names of the text encoders and VAEs alive in this process whose weights are really in memory."""
+    import gc
+
+    import transformers
+    from diffusers import ModelMixin
+
+    names = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, transformers.PreTrainedModel) or (
+            isinstance(obj, ModelMixin) and type(obj).__name__.startswith("Autoencoder")
+        ):
+            if any(p.device.type != "meta" for p in obj.parameters()):
+                names.add(type(obj).__name__)
+    return sorted(names)
+
+
+def runner_checks(checkpoints: dict, call_kwargs: dict) -> dict:
+    """`load_pipeline(...).generate(...)` at TP=2 for every family: outputs, who loaded what, divergence caught."""
+    import gc
+
+    import torch.distributed as dist
+
+    import neuron_diffusers as nd
+    from neuron_diffusers.consistency import LatentsDivergedError
+
+    mesh = nd.init_distributed(tp=2)
+    report = {}
+    for family, checkpoint in checkpoints.items():
+        pipe = nd.load_pipeline(checkpoint, mesh)
+        outputs = pipe.generate("a red fox in the snow", seed=0, **call_kwargs[family])
+        result = {
+            "output": None if outputs is None else _as_arrays(outputs[0]),
+            "holds_encoder": pipe.encoder is not None,
+            "models_in_memory": _loaded_models(),
+        }
+        try:  # a different seed per rank: the noise diverges across the group
+            pipe.generate("a red fox in the snow", seed=dist.get_rank(), **call_kwargs[family])
+            result["divergence"] = "not caught"
+        except LatentsDivergedError as error:
+            result["divergence"] = str(error)
+        report[family] = result
+        del pipe, outputs
+        gc.collect()
+    return report

@@ -1,0 +1,137 @@
+"""What the runner must know about a stock pipeline family that it cannot look up: how to encode a prompt on
+CPU, which call kwargs carry the embeddings, and whether they may be padded to a static length.
+
+Everything else (latent preparation, the denoising loop, guidance, decoding) stays in the stock pipeline.
+Each rank builds the pipeline from only the components its role needs:
+
+- the *encoder* (one rank per TP group): the stock pipeline holding just the text components, on CPU;
+- the *denoiser* (every rank): the stock pipeline holding the sharded transformer and the scheduler, plus the
+  VAE on the rank that decodes. A rank that does not decode gets a VAE built on the meta device from its
+  config, so the pipeline derives its scale factors exactly as with the real one, and then drops it:
+  no VAE weight is read and any code path that would decode there fails loudly instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+class StockPipelineAdapter:
+    """One stock `DiffusionPipeline` family. Subclasses set the class attributes and implement `encode`."""
+
+    pipeline_class: str
+    #: Components only the encoding rank loads.
+    text_components: tuple[str, ...]
+    #: Light components the encoder needs and the pipeline's `__init__` reads too, so every rank loads them.
+    shared_components: tuple[str, ...] = ()
+    #: Call kwargs that shape both the encoding and the pipeline call (e.g. `max_sequence_length`).
+    encode_kwargs: tuple[str, ...] = ()
+    #: Static lengths the text embeddings are padded to, or `()` when the pipeline fixes the length itself
+    #: (FLUX) or padding would change the image (see the subclass).
+    buckets: tuple[int, ...] = ()
+    #: Whether the pipeline takes a negative prompt (true classifier-free guidance).
+    takes_negative_prompt: bool = True
+
+    def encode(self, encoder, prompt: str, negative_prompt: str | None, **encode_kwargs) -> dict[str, torch.Tensor]:
+        """The call kwargs that carry the embeddings of `prompt` (and `negative_prompt`), computed on CPU."""
+        raise NotImplementedError
+
+    # -- loading -------------------------------------------------------------------------------------------
+
+    def pipeline_cls(self):
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)
+
+    def load_encoder(self, checkpoint: Path, torch_dtype: torch.dtype | None):
+        """The stock pipeline with only its text components, on CPU, where the text encoder runs once per prompt."""
+        needed = self.text_components + self.shared_components
+        skipped = {name: None for name in component_names(checkpoint) if name not in needed}
+        return self.pipeline_cls().from_pretrained(checkpoint, dtype=torch_dtype, **skipped)
+
+    def load_denoiser(self, checkpoint: Path, transformer, torch_dtype, device: torch.device, decodes: bool):
+        """The stock pipeline around `transformer` with no text components; the VAE only where it `decodes`."""
+        kwargs = {name: None for name in self.text_components}
+        if not decodes:
+            kwargs["vae"] = model_on_meta(checkpoint, "vae")
+        pipe = self.pipeline_cls().from_pretrained(checkpoint, transformer=transformer, dtype=torch_dtype, **kwargs)
+        if decodes:
+            pipe.vae.to(device)
+        else:
+            pipe.register_modules(vae=None)
+        return pipe
+
+    # -- padding -------------------------------------------------------------------------------------------
+
+    def pad(self, embeds: dict[str, torch.Tensor], buckets: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+        """Right-pad every `*prompt_embeds` to its bucket with zeros, and its `*_mask` with zeros (masked out).
+
+        Only families whose transformer ignores masked text positions set `buckets`, so padding never changes the
+        image (tested), while every prompt of a bucket reuses one compiled graph.
+        """
+        buckets = self.buckets if buckets is None else buckets
+        if not buckets:
+            return embeds
+        padded = dict(embeds)
+        for name, value in embeds.items():
+            if not name.endswith("prompt_embeds"):
+                continue
+            mask_name = f"{name}_mask"
+            mask = embeds.get(mask_name)
+            if mask is None:
+                mask = torch.ones(value.shape[:2], dtype=torch.long)
+            length = value.shape[1]
+            bucket = _bucket(buckets, length, self.pipeline_class)
+            padded[name] = F.pad(value, (0, 0, 0, bucket - length))
+            padded[mask_name] = F.pad(mask, (0, bucket - length))
+        return padded
+
+    # -- the call ------------------------------------------------------------------------------------------
+
+    def __call__(self, pipe, embeds: dict[str, torch.Tensor], *, generator, decodes: bool, check, **kwargs):
+        """One stock pipeline call on the embeddings; the image where it `decodes`, else `None`.
+
+        `check` (a `LatentAgreement`) compares the group's latents at the end of the steps it chooses.
+        """
+        output = pipe(
+            **embeds,
+            generator=generator,
+            output_type=kwargs.pop("output_type", "pil") if decodes else "latent",
+            callback_on_step_end=check.step_end,
+            callback_on_step_end_tensor_inputs=["latents"],
+            **kwargs,
+        )
+        return output.images[0] if decodes else None
+
+
+def _bucket(buckets: tuple[int, ...], length: int, owner: str) -> int:
+    for bucket in buckets:
+        if length <= bucket:
+            return bucket
+    raise ValueError(
+        f"A prompt encodes to {length} tokens, more than the largest length bucket {buckets[-1]} of {owner}. "
+        "Shorten the prompt, or pass larger `buckets` to `load_pipeline`."
+    )
+
+
+def component_names(checkpoint: Path) -> list[str]:
+    """The components a saved pipeline lists in `model_index.json`: `[library, class]` entries, not config values."""
+    index = json.loads((Path(checkpoint) / "model_index.json").read_text())
+    return [name for name, entry in index.items() if not name.startswith("_") and isinstance(entry, list)]
+
+
+def model_on_meta(checkpoint: Path, name: str):
+    """Component `name` of the checkpoint built from its config on the meta device: its shape, none of its weights."""
+    import diffusers
+
+    for index_name in ("model_index.json", "modular_model_index.json"):
+        index = Path(checkpoint) / index_name
+        if index.is_file():
+            model_cls = getattr(diffusers, json.loads(index.read_text())[name][1])
+            with torch.device("meta"):
+                return model_cls.from_config(model_cls.load_config(checkpoint, subfolder=name))
+    raise FileNotFoundError(f"{checkpoint} has neither model_index.json nor modular_model_index.json.")

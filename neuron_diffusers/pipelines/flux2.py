@@ -1,0 +1,17 @@
+"""Flux2Pipeline (FLUX.2): one Mistral-3 sequence embedding, guidance-distilled (no negative prompt).
+
+Like FLUX.1, stock pads the text to `max_sequence_length` and attends to every position: static by construction.
+"""
+
+from .base import StockPipelineAdapter
+
+
+class Flux2Adapter(StockPipelineAdapter):
+    pipeline_class = "Flux2Pipeline"
+    text_components = ("text_encoder", "tokenizer")
+    encode_kwargs = ("max_sequence_length", "text_encoder_out_layers")
+    takes_negative_prompt = False
+
+    def encode(self, encoder, prompt, negative_prompt, **encode_kwargs):
+        sequence, _ = encoder.encode_prompt(prompt, device="cpu", **encode_kwargs)
+        return {"prompt_embeds": sequence}
