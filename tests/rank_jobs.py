@@ -293,3 +293,35 @@ def runner_checks(checkpoints: dict, call_kwargs: dict) -> dict:
         del pipe, outputs
         gc.collect()
     return report
+
+
+def compile_checks(checkpoints: dict, call_kwargs: dict, prompts: list) -> dict:
+    """At TP=2 with `aot_eager`: warm up, then count graphs, breaks and recompiles over `prompts`; compare to eager."""
+    import torch
+
+    import neuron_diffusers as nd
+    from neuron_diffusers.compile import RecompileGuard, compile_report, compile_repeated_blocks, warmup
+
+    mesh = nd.init_distributed(tp=2)
+    report = {}
+    for family, checkpoint in checkpoints.items():
+        torch._dynamo.reset()
+        pipe = nd.load_pipeline(checkpoint, mesh)
+        kwargs = dict(call_kwargs[family], output_type="pt")
+        eager = pipe.generate(prompts[0], seed=0, **kwargs)
+        compile_repeated_blocks(pipe, backend="aot_eager")
+        warmup(pipe, [(kwargs["height"], kwargs["width"])],
+               **{k: v for k, v in kwargs.items() if k not in ("height", "width")})
+        warm = compile_report()
+        guard = RecompileGuard(pipe.pipe.transformer, mode="raise")
+        compiled = [pipe.generate(prompt, seed=0, **kwargs) for prompt in prompts]
+        guard.remove()
+        after = compile_report()
+        report[family] = {
+            "graphs_after_warmup": warm["graphs"],
+            "new_graphs": after["graphs"] - warm["graphs"],
+            "new_recompiles": after["recompiles"] - warm["recompiles"],
+            "graph_breaks": after["graph_breaks"],
+            "diff": None if eager is None else (compiled[0][0] - eager[0]).abs().max().item(),
+        }
+    return report

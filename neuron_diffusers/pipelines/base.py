@@ -35,6 +35,8 @@ class StockPipelineAdapter:
     buckets: tuple[int, ...] = ()
     #: Whether the pipeline takes a negative prompt (true classifier-free guidance).
     takes_negative_prompt: bool = True
+    #: Call kwargs the adapter fixes, whatever the caller passed (see the subclass for why).
+    call_overrides: dict = {}
 
     def encode(self, encoder, prompt: str, negative_prompt: str | None, **encode_kwargs) -> dict[str, torch.Tensor]:
         """The call kwargs that carry the embeddings of `prompt` (and `negative_prompt`), computed on CPU."""
@@ -68,10 +70,12 @@ class StockPipelineAdapter:
     # -- padding -------------------------------------------------------------------------------------------
 
     def pad(self, embeds: dict[str, torch.Tensor], buckets: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
-        """Right-pad every `*prompt_embeds` to its bucket with zeros, and its `*_mask` with zeros (masked out).
+        """Right-pad every `*prompt_embeds` with zeros to the smallest bucket *longer* than it, and its `*_mask` with
+        zeros (masked out).
 
         Only families whose transformer ignores masked text positions set `buckets`, so padding never changes the
-        image (tested), while every prompt of a bucket reuses one compiled graph.
+        image (tested), while every prompt of a bucket reuses one compiled graph. Strictly longer, so at least one
+        position is always masked: stock pipelines drop an all-ones mask, which would be a second graph per bucket.
         """
         buckets = self.buckets if buckets is None else buckets
         if not buckets:
@@ -97,24 +101,25 @@ class StockPipelineAdapter:
 
         `check` (a `LatentAgreement`) compares the group's latents at the end of the steps it chooses.
         """
+        output_type = kwargs.pop("output_type", "pil")
         output = pipe(
             **embeds,
             generator=generator,
-            output_type=kwargs.pop("output_type", "pil") if decodes else "latent",
+            output_type=output_type if decodes else "latent",
             callback_on_step_end=check.step_end,
             callback_on_step_end_tensor_inputs=["latents"],
-            **kwargs,
+            **{**kwargs, **self.call_overrides},
         )
         return output.images[0] if decodes else None
 
 
 def _bucket(buckets: tuple[int, ...], length: int, owner: str) -> int:
     for bucket in buckets:
-        if length <= bucket:
+        if length < bucket:
             return bucket
     raise ValueError(
-        f"A prompt encodes to {length} tokens, more than the largest length bucket {buckets[-1]} of {owner}. "
-        "Shorten the prompt, or pass larger `buckets` to `load_pipeline`."
+        f"A prompt encodes to {length} tokens, which needs a length bucket above {length}; the largest of {owner} is "
+        f"{buckets[-1]}. Shorten the prompt, or pass larger `buckets` to `load_pipeline`."
     )
 
 

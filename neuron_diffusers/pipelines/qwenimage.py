@@ -2,8 +2,9 @@
 
 The transformer masks padded text positions out of attention and places the image's RoPE positions independently
 of the text length, so right-padding the embeddings (mask 0) to a length bucket gives the unpadded image while
-every prompt of a bucket shares one compiled graph. Buckets stop at 512, stock's `max_sequence_length`, which the
-pipeline truncates to.
+every prompt of a bucket shares one compiled graph. Prompts are encoded (and truncated) at stock's
+`max_sequence_length` of 512 tokens, so a 512-token prompt pads into the 1024 bucket; the call then passes
+`max_sequence_length=1024`, the most stock accepts, so the pipeline keeps the padding it would otherwise slice off.
 """
 
 from .base import StockPipelineAdapter
@@ -13,7 +14,8 @@ class QwenImageAdapter(StockPipelineAdapter):
     pipeline_class = "QwenImagePipeline"
     text_components = ("text_encoder", "tokenizer")
     encode_kwargs = ("max_sequence_length",)
-    buckets = (64, 128, 256, 512)
+    buckets = (64, 128, 256, 512, 1024)
+    call_overrides = {"max_sequence_length": 1024}
 
     def encode(self, encoder, prompt, negative_prompt, max_sequence_length=512):
         embeds = {}
