@@ -306,6 +306,7 @@ def compile_checks(checkpoints: dict, call_kwargs: dict, prompts: list) -> dict:
     report = {}
     for family, checkpoint in checkpoints.items():
         torch._dynamo.reset()
+        start = compile_report()  # dynamo's counters are per process: count this family's graphs from here
         pipe = nd.load_pipeline(checkpoint, mesh)
         kwargs = dict(call_kwargs[family], output_type="pt")
         eager = pipe.generate(prompts[0], seed=0, **kwargs)
@@ -318,10 +319,10 @@ def compile_checks(checkpoints: dict, call_kwargs: dict, prompts: list) -> dict:
         guard.remove()
         after = compile_report()
         report[family] = {
-            "graphs_after_warmup": warm["graphs"],
+            "graphs_after_warmup": warm["graphs"] - start["graphs"],
             "new_graphs": after["graphs"] - warm["graphs"],
             "new_recompiles": after["recompiles"] - warm["recompiles"],
-            "graph_breaks": after["graph_breaks"],
+            "graph_breaks": after["graph_breaks"] - start["graph_breaks"],
             "diff": None if eager is None else (compiled[0][0] - eager[0]).abs().max().item(),
         }
     return report
