@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import __version__, bench_memory, plan_report, tiny
+from . import __version__, bench_encoder, bench_memory, plan_report, tiny
 from .distributed import check_tp_degree, detect_runtime, init_distributed
 from .media import save_png, save_video
 from .pipelines import adapter_for
@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     bench_commands = bench.add_subparsers(dest="subcommand", required=True)
     bench_memory.add_arguments(
         bench_commands.add_parser("memory", help="per-rank memory of every family at TP 1/2/4/8, ours vs stock"))
+    bench_encoder.add_arguments(
+        bench_commands.add_parser("encoder", help="peak RSS of the encoding rank vs the others vs a stock pipeline"))
     return parser
 
 
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             _plan_report(args)
         elif command == "bench memory":
             bench_memory.main_with(args)
+        elif command == "bench encoder":
+            bench_encoder.main_with(args)
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
         print(f"neuron-diffusers {command}: error: {error}", file=sys.stderr)
         return 2
