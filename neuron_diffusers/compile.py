@@ -6,9 +6,10 @@ visible stall. Three things keep the graph count fixed:
 - `compile_repeated_blocks` compiles the transformer's repeated blocks (stock `compile_repeated_blocks`
   underneath: every instance of a block class shares one compiled code object) with `fullgraph=True` and
   `dynamic=False`. `dynamic=False` also keeps dynamo's automatic dynamic shapes off for these frames only, so no
-  global `torch._dynamo.config` is changed. Every block also hands the next one contiguous tensors: stock FLUX.1
-  single-stream blocks return slices of one tensor, so the second block saw different strides than the first and
-  compiled again.
+  global `torch._dynamo.config` is changed (warm-up raises the recompile limit to the declared shapes, see
+  `_allow_graphs`). Every block also receives row-major tensors: stock FLUX.1 single-stream blocks return slices of
+  one tensor, so the second block saw different strides than the first and compiled again (likewise Qwen-Image-2.1's
+  cached steps).
 - The pipeline adapters pad text embeddings to length buckets (see `pipelines/`), and `warmup` runs every declared
   (size, bucket) once up front, so the first real request pays nothing.
 - `RecompileGuard` watches for recompiles after warm-up: it warns once per new reason (which input, old and new
@@ -19,12 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
+import re
 import warnings
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -56,29 +55,47 @@ def _row_major(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _row_major_inputs(value):
+    if isinstance(value, torch.Tensor):
+        return _with_row_major_strides(value)
+    if isinstance(value, tuple):
+        return tuple(_row_major_inputs(item) for item in value)
+    return value
+
+
 @torch.compiler.disable  # one hook serves every block class; compiled, it would guard on (and recompile for) each
-def _contiguous_outputs(module, args, output):
-    """Forward hook: tensors leave a block with row-major strides, so every block of a class sees the same ones."""
-    if isinstance(output, torch.Tensor):
-        return _with_row_major_strides(output)
-    if isinstance(output, tuple):
-        return tuple(_with_row_major_strides(item) if isinstance(item, torch.Tensor) else item for item in output)
-    return output
+def _row_major_block_inputs(module, args, kwargs):
+    """Forward pre-hook: a block always receives row-major tensors, so every instance shares one graph.
+
+    Stock models hand some blocks views: FLUX.1's single-stream blocks return slices of one sequence, and
+    Qwen-Image-2.1's cached steps slice the prefix off before the first block.
+    """
+    return _row_major_inputs(args), {name: _row_major_inputs(value) for name, value in kwargs.items()}
 
 
 def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", **torch_compile_kwargs):
     """Compile the transformer's repeated blocks in place; returns the transformer.
 
     Takes a `TPPipeline`, a stock pipeline, or the transformer itself. `torch_compile_kwargs` override the
-    defaults `fullgraph=True, dynamic=False`.
+    defaults `fullgraph=True, dynamic=False`. Compile after `load_pipeline`: the TP hooks must be in place first.
     """
     transformer = _transformer_of(pipe_or_transformer)
-    block_classes = set(getattr(transformer, "_repeated_blocks", ()) or ())
+    # A pipeline adapter may narrow the blocks to those that run at bucketed shapes (MiniMax-H3: not its refiner).
+    chosen = getattr(getattr(pipe_or_transformer, "adapter", None), "compiled_blocks", None)
+    block_classes = list(chosen or getattr(transformer, "_repeated_blocks", ()) or ())
     for module in transformer.modules():
         if type(module).__name__ in block_classes:
-            module.register_forward_hook(_contiguous_outputs)
+            module.register_forward_pre_hook(_row_major_block_inputs, with_kwargs=True)
     options = {"fullgraph": True, "dynamic": False, **torch_compile_kwargs}
-    transformer.compile_repeated_blocks(backend=resolve_backend(backend), **options)
+    stock_blocks = transformer.__dict__.get("_repeated_blocks")
+    transformer._repeated_blocks = block_classes  # stock compiles the classes this names
+    try:
+        transformer.compile_repeated_blocks(backend=resolve_backend(backend), **options)
+    finally:
+        if stock_blocks is None:
+            del transformer._repeated_blocks
+        else:
+            transformer._repeated_blocks = stock_blocks
     return transformer
 
 
@@ -92,35 +109,54 @@ def _transformer_of(obj):
     raise TypeError(f"Expected a pipeline or a diffusers transformer, got {type(obj).__name__}.")
 
 
-def warmup(pipe, sizes: list[tuple[int, int]], buckets: tuple[int, ...] | None = None, **generate_kwargs) -> int:
+def warmup(pipe, sizes: list[tuple[int, int]], buckets: tuple[int, ...] | None = None, *,
+           on_recompile: str | None = "warn", **generate_kwargs) -> RecompileGuard | None:
     """Run one generation per (size, text-length bucket), so every graph is compiled before real requests.
 
     `pipe` is a `TPPipeline`; `buckets` default to its own. Two denoising steps by default: the first and later
-    steps can differ (Qwen-Image-2.1 fills its text KV cache on the first). Returns the number of runs. Every rank
-    of the group must call it, like `generate`.
+    steps can differ (Qwen-Image-2.1 fills its text KV cache on the first). Every rank of the group must call it,
+    like `generate`. Afterwards a `RecompileGuard` watches the transformer (`on_recompile`: "warn", "raise", or
+    None for no guard) and is returned.
     """
     generate_kwargs.setdefault("num_inference_steps", 2)
     buckets = pipe.buckets if buckets is None else tuple(buckets)
-    runs = 0
+    _allow_graphs(len(sizes) * max(len(buckets), 1) * GRAPHS_PER_SHAPE)
     for height, width in sizes:
         for bucket in buckets or (None,):
             # A one-token prompt padded to exactly `bucket`: the shapes of any prompt of that bucket.
             sized = dataclasses.replace(pipe, buckets=(bucket,)) if bucket else pipe
             sized.generate(["warm-up"], seed=0, height=height, width=width, **generate_kwargs)
-            runs += 1
-    return runs
+    return RecompileGuard(_transformer_of(pipe), mode=on_recompile) if on_recompile else None
+
+
+# A declared shape can need a few graphs per block: MiniMax-H3's first step carries two noise levels and the
+# others one; Qwen-Image-2.1 prefills its text KV cache on the first step.
+GRAPHS_PER_SHAPE = 4
+
+
+def _allow_graphs(count: int) -> None:
+    """Raise dynamo's per-function graph limit (default 8) to what the declared shapes need.
+
+    The one global dynamo setting this module changes, and only upwards: past the limit dynamo stops compiling
+    (or raises under `fullgraph=True`), so declaring more shapes than it allows would break warm-up itself.
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, count)
 
 
 def compile_report() -> dict:
     """What dynamo did in this process so far: graphs, graph breaks, recompiles (with reasons), compile seconds."""
     from torch._dynamo.utils import compilation_time_metrics, counters, guard_failures
 
-    reasons = [reason for failures in guard_failures.values() for reason in failures]
+    # Each recompilation checks (and logs a failure for) every graph the function already has, tagged
+    # "frame/graph:"; the failure against its first graph ("F/0:") marks one recompilation and says what changed.
+    recompiles = [
+        reason for failures in guard_failures.values() for reason in failures if re.match(r"\d+/0:", reason)
+    ]
     return {
         "graphs": int(counters["stats"]["unique_graphs"]),
         "graph_breaks": int(sum(counters["graph_break"].values())),
-        "recompiles": len(reasons),
-        "recompile_reasons": reasons,
+        "recompiles": len(recompiles),
+        "recompile_reasons": recompiles,
         "compile_seconds": round(sum(compilation_time_metrics.get("_compile.compile_inner", [])), 3),
     }
 
@@ -128,8 +164,9 @@ def compile_report() -> dict:
 class RecompileGuard:
     """After warm-up, a recompile is a bug: warn once per new reason (`mode="warn"`), or raise (`mode="raise"`).
 
-    Installed as a forward hook on the transformer (outside the compiled blocks), so it costs one dict length
-    check per forward.
+    Installed as a forward hook on the transformer (outside the compiled blocks): after each forward it scans
+    dynamo's guard-failure log, which stays a few entries long when nothing recompiles. It reports after the
+    forward that recompiled, with dynamo's own words for what changed (input, expected and actual size or stride).
     """
 
     def __init__(self, transformer: torch.nn.Module, mode: str = "warn"):

@@ -134,7 +134,7 @@ class TPPipeline:
             with torch.no_grad():
                 outputs.append(
                     self.adapter(self.pipe, embeds, generator=generator, decodes=self.is_leader, check=check,
-                                 **pipeline_kwargs)
+                                 buckets=self.buckets, **pipeline_kwargs)
                 )
         return outputs if self.is_leader else None
 

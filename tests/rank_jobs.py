@@ -295,26 +295,27 @@ def runner_checks(checkpoints: dict, call_kwargs: dict) -> dict:
     return report
 
 
-def compile_checks(checkpoints: dict, call_kwargs: dict, prompts: list) -> dict:
-    """At TP=2 with `aot_eager`: warm up, then count graphs, breaks and recompiles over `prompts`; compare to eager."""
+def compile_checks(checkpoints: dict, call_kwargs: dict, load_kwargs: dict, prompts: list, backend: str) -> dict:
+    """At TP=2: warm up, then count graphs, breaks and recompiles over `prompts`; compare to eager."""
     import torch
 
     import neuron_diffusers as nd
-    from neuron_diffusers.compile import RecompileGuard, compile_report, compile_repeated_blocks, warmup
+    from neuron_diffusers.compile import compile_report, compile_repeated_blocks, warmup
 
     mesh = nd.init_distributed(tp=2)
     report = {}
     for family, checkpoint in checkpoints.items():
         torch._dynamo.reset()
         start = compile_report()  # dynamo's counters are per process: count this family's graphs from here
-        pipe = nd.load_pipeline(checkpoint, mesh)
-        kwargs = dict(call_kwargs[family], output_type="pt")
+        pipe = nd.load_pipeline(checkpoint, mesh, **load_kwargs.get(family, {}))
+        kwargs = dict(call_kwargs[family])
+        if family != "h3":
+            kwargs["output_type"] = "pt"
         eager = pipe.generate(prompts[0], seed=0, **kwargs)
-        compile_repeated_blocks(pipe, backend="aot_eager")
-        warmup(pipe, [(kwargs["height"], kwargs["width"])],
-               **{k: v for k, v in kwargs.items() if k not in ("height", "width")})
+        compile_repeated_blocks(pipe, backend=backend)
+        guard = warmup(pipe, [(kwargs["height"], kwargs["width"])], on_recompile="raise",
+                       **{k: v for k, v in kwargs.items() if k not in ("height", "width")})
         warm = compile_report()
-        guard = RecompileGuard(pipe.pipe.transformer, mode="raise")
         compiled = [pipe.generate(prompt, seed=0, **kwargs) for prompt in prompts]
         guard.remove()
         after = compile_report()
@@ -323,6 +324,12 @@ def compile_checks(checkpoints: dict, call_kwargs: dict, prompts: list) -> dict:
             "new_graphs": after["graphs"] - warm["graphs"],
             "new_recompiles": after["recompiles"] - warm["recompiles"],
             "graph_breaks": after["graph_breaks"] - start["graph_breaks"],
-            "diff": None if eager is None else (compiled[0][0] - eager[0]).abs().max().item(),
+            "diff": None if eager is None else _max_output_diff(compiled[0][0], eager[0]),
         }
     return report
+
+
+def _max_output_diff(a, b) -> float:
+    if hasattr(a, "frames"):
+        return max((a.frames - b.frames).abs().max().item(), (a.audio - b.audio).abs().max().item())
+    return (a - b).abs().max().item()

@@ -1,34 +1,48 @@
-"""Repeated-block compilation at TP=2 on CPU: no graph breaks, and no recompiles after warm-up.
+"""Repeated-block compilation at TP=2 on CPU: no graph breaks, and no recompiles after warm-up, all five families.
 
-Covers the families whose text length is static (FLUX.1, FLUX.2 pad to `max_sequence_length`) or bucketed exactly
-(Qwen-Image). Qwen-Image-2.1 and MiniMax-H3 cannot be padded without changing the image (see their adapters), so
-each new prompt length is a new graph for them: not claimed here.
+FLUX.1 and FLUX.2 pad text to `max_sequence_length` themselves; Qwen-Image and MiniMax-H3 pad exactly into length
+buckets. Qwen-Image-2.1 cannot be padded without moving its image (see its adapter), so it is bucketed here by
+opting in with `buckets=`: compiled still equals eager on the same padded input.
 """
 
 import pytest
 
 import rank_jobs
 from neuron_diffusers import tiny
+from neuron_diffusers.tiny import h3
 from neuron_diffusers.compile import resolve_backend
 from neuron_diffusers.spawn import run_on_cpu_ranks
 
-STATIC_FAMILIES = ("flux", "flux2", "qwenimage")
+FAMILIES = tiny.FAMILIES
+# Opt-in buckets for Qwen-Image-2.1 (inexact padding); the others use their adapters' defaults.
+LOAD_KWARGS = {"qwenimage21": {"buckets": (64, 128, 256, 512)}}
 WORDS = "red fox snow forest light mountain river cloud".split()
-# 20 prompts from 1 to 200 words: every Qwen-Image bucket up to 256 tokens, and truncation for CLIP / T5.
-PROMPTS = [" ".join(WORDS[i % len(WORDS)] for i in range(n)) for n in [1, *range(10, 200, 10), 200]]
+# 20 prompts of 1 to 95 words: 1 to ~250 tokens depending on the family's tokenizer, over several buckets.
+PROMPTS = [" ".join(WORDS[i % len(WORDS)] for i in range(n)) for n in [1, *range(5, 100, 5)]]
+
+
+def call_kwargs(family):
+    height, width = tiny.default_size(family)
+    if family == "h3":  # two transformer forwards (see tiny/h3.py)
+        return dict(height=height, width=width, num_inference_steps=3, num_frames=h3.DEFAULT_NUM_FRAMES)
+    return dict(height=height, width=width, num_inference_steps=2)
 
 
 @pytest.fixture(scope="module")
 def compile_report(tiny_checkpoint):
-    checkpoints = {family: tiny_checkpoint(family) for family in STATIC_FAMILIES}
-    call_kwargs = {}
-    for family in STATIC_FAMILIES:
-        height, width = tiny.default_size(family)
-        call_kwargs[family] = dict(height=height, width=width, num_inference_steps=2)
-    return run_on_cpu_ranks(rank_jobs.compile_checks, 2, checkpoints, call_kwargs, PROMPTS, timeout_s=600)
+    checkpoints = {family: tiny_checkpoint(family) for family in FAMILIES}
+    return run_on_cpu_ranks(rank_jobs.compile_checks, 2, checkpoints, {f: call_kwargs(f) for f in FAMILIES},
+                            LOAD_KWARGS, PROMPTS, "aot_eager", timeout_s=900)
 
 
-@pytest.mark.parametrize("family", STATIC_FAMILIES)
+@pytest.fixture(scope="module")
+def inductor_report(tiny_checkpoint):
+    """The same on a real compiler backend (C++ codegen on CPU), for one family: FLUX.2, the cheapest to build."""
+    return run_on_cpu_ranks(rank_jobs.compile_checks, 2, {"flux2": tiny_checkpoint("flux2")},
+                            {"flux2": call_kwargs("flux2")}, {}, PROMPTS[::4], "inductor", timeout_s=900)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_no_graph_breaks_and_no_recompiles_after_warmup(compile_report, family):
     for rank, report in enumerate(compile_report):
         result = report[family]
@@ -37,21 +51,30 @@ def test_no_graph_breaks_and_no_recompiles_after_warmup(compile_report, family):
         assert result["new_graphs"] == 0 and result["new_recompiles"] == 0, f"rank {rank}: {result}"
 
 
-# One graph per repeated block class (FLUX.1, FLUX.2: double + single stream), times Qwen-Image's 5 length buckets.
-# Without contiguous block outputs FLUX.1's second single-stream block compiles a second graph (a stride change).
-EXPECTED_GRAPHS = {"flux": 2, "flux2": 2, "qwenimage": 5}
+# One graph per repeated block class (FLUX.1, FLUX.2: double + single stream) and length bucket (Qwen-Image 5,
+# Qwen-Image-2.1 4 opted in, x2 for its KV-cache prefill vs cached steps; H3 5, x2 for its first step's two noise
+# levels). Without row-major block inputs FLUX.1's second single-stream block compiles again (a stride change), as
+# does Qwen-Image-2.1's first block on cached steps.
+EXPECTED_GRAPHS = {"flux": 2, "flux2": 2, "qwenimage": 5, "qwenimage21": 8, "h3": 10}
 
 
-@pytest.mark.parametrize("family", STATIC_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_one_graph_per_block_class_and_declared_shape(compile_report, family):
     for report in compile_report:
         assert report[family]["graphs_after_warmup"] == EXPECTED_GRAPHS[family]
 
 
-@pytest.mark.parametrize("family", STATIC_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_output_equals_eager(compile_report, family):
     leader = compile_report[0][family]
     assert leader["diff"] is not None and leader["diff"] < 1e-5
+
+
+def test_inductor_backend_no_breaks_no_recompiles_equals_eager(inductor_report):
+    for report in inductor_report:
+        result = report["flux2"]
+        assert result["graph_breaks"] == 0 and result["new_graphs"] == 0 and result["new_recompiles"] == 0
+    assert inductor_report[0]["flux2"]["diff"] < 1e-5
 
 
 def test_backend_resolution():

@@ -37,6 +37,8 @@ class StockPipelineAdapter:
     takes_negative_prompt: bool = True
     #: Call kwargs the adapter fixes, whatever the caller passed (see the subclass for why).
     call_overrides: dict = {}
+    #: Block classes to compile; `None`: all of the transformer's `_repeated_blocks`.
+    compiled_blocks: tuple[str, ...] | None = None
 
     def encode(self, encoder, prompt: str, negative_prompt: str | None, **encode_kwargs) -> dict[str, torch.Tensor]:
         """The call kwargs that carry the embeddings of `prompt` (and `negative_prompt`), computed on CPU."""
@@ -89,17 +91,19 @@ class StockPipelineAdapter:
             if mask is None:
                 mask = torch.ones(value.shape[:2], dtype=torch.long)
             length = value.shape[1]
-            bucket = _bucket(buckets, length, self.pipeline_class)
+            bucket = bucket_for(buckets, length, self.pipeline_class)
             padded[name] = F.pad(value, (0, 0, 0, bucket - length))
             padded[mask_name] = F.pad(mask, (0, bucket - length))
         return padded
 
     # -- the call ------------------------------------------------------------------------------------------
 
-    def __call__(self, pipe, embeds: dict[str, torch.Tensor], *, generator, decodes: bool, check, **kwargs):
+    def __call__(self, pipe, embeds: dict[str, torch.Tensor], *, generator, decodes: bool, check, buckets=(),
+                 **kwargs):
         """One stock pipeline call on the embeddings; the image where it `decodes`, else `None`.
 
-        `check` (a `LatentAgreement`) compares the group's latents at the end of the steps it chooses.
+        `check` (a `LatentAgreement`) compares the group's latents at the end of the steps it chooses. `buckets` is
+        unused: `pad` already padded the embeddings.
         """
         output_type = kwargs.pop("output_type", "pil")
         output = pipe(
@@ -113,7 +117,8 @@ class StockPipelineAdapter:
         return output.images[0] if decodes else None
 
 
-def _bucket(buckets: tuple[int, ...], length: int, owner: str) -> int:
+def bucket_for(buckets: tuple[int, ...], length: int, owner: str) -> int:
+    """The smallest bucket longer than `length`, so at least one padded position is always masked out."""
     for bucket in buckets:
         if length < bucket:
             return bucket

@@ -4,8 +4,12 @@ Modular pipelines are made of named blocks, so no call needs intercepting: the `
 the encoding rank, every rank runs the `denoise.*` blocks on the broadcast `prompt_embeds` + `text_token_tags`,
 and the decoding rank runs the `decode.*` blocks on the latents. Each sub-pipeline loads only its own components.
 
-H3 packs one request into one sequence with no text mask, so its embeddings are never padded (padding would add
-text the model attends to), and it is guidance-distilled: no negative prompt.
+H3 packs one request (text, video and audio rows) into one sequence that the blocks attend over without a mask,
+and a token refiner runs self-attention over the text alone, so padding the text embeddings would change the image.
+Instead, `PackedSequencePadding` appends masked rows to the *packed sequence* (as the reference implementation does
+with `cu_seqlens`) so that the main blocks run at one shape per text-length bucket: real rows never attend to the
+padding, which no output reads. The small token refiner runs at the prompt's own length, so only the main blocks
+are compiled (`compiled_blocks`). H3 is guidance-distilled: no negative prompt.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from pathlib import Path
 import torch
 
 from ..media import VideoWithAudio
-from .base import model_on_meta
+from .base import bucket_for, model_on_meta
 
 WORKFLOW = "t2va"
+_TEXT_TAG = 1  # `MINIMAX_H3_TEXT_TAG`: the modality tag the padding rows carry (any valid tag would do)
 
 
 @dataclass
@@ -32,11 +37,53 @@ class H3Pipelines:
         self.denoiser.set_progress_bar_config(**kwargs)
 
 
+class PackedSequencePadding:
+    """Hooks that pad the transformer's packed sequence to `text bucket + other rows`, with the padding masked out.
+
+    A pre-hook on the transformer appends `bucket - num_text_rows` rows (zero hidden state, position 0, text tag,
+    timestep index 0: valid table entries, never read) to the layout tensors; a pre-hook on every main block hands
+    it the matching key mask. `buckets = ()` turns padding off.
+    """
+
+    def __init__(self, transformer: torch.nn.Module):
+        self.buckets: tuple[int, ...] = ()
+        self._key_mask = None
+        self._handles = [transformer.register_forward_pre_hook(self._pad_layout, with_kwargs=True)]
+        for module in transformer.modules():
+            if type(module).__name__ in MiniMaxH3Adapter.compiled_blocks:
+                self._handles.append(module.register_forward_pre_hook(self._mask_keys, with_kwargs=True))
+
+    @torch.compiler.disable  # layout bookkeeping before the compiled blocks, not part of them
+    def _pad_layout(self, module, args, kwargs):
+        self._key_mask = None
+        if not self.buckets:
+            return None
+        text_rows = kwargs["text_indices"].numel()
+        extra = bucket_for(self.buckets, text_rows, "MiniMax-H3") - text_rows
+        rows = kwargs["position_ids"].shape[0]
+        kwargs["position_ids"] = torch.cat([kwargs["position_ids"], kwargs["position_ids"].new_zeros(extra, 3)])
+        kwargs["token_tags"] = torch.cat([kwargs["token_tags"], kwargs["token_tags"].new_full((extra,), _TEXT_TAG)])
+        kwargs["timestep_indices"] = torch.cat(
+            [kwargs["timestep_indices"], kwargs["timestep_indices"].new_zeros(extra)]
+        )
+        valid = torch.arange(rows + extra, device=kwargs["position_ids"].device) < rows
+        self._key_mask = valid.view(1, 1, 1, -1)
+        return args, kwargs
+
+    @torch.compiler.disable
+    def _mask_keys(self, module, args, kwargs):
+        if self._key_mask is None:
+            return None
+        return args, {**kwargs, "attention_mask": self._key_mask}
+
+
 class MiniMaxH3Adapter:
     pipeline_class = "MiniMaxH3Blocks"
     encode_kwargs: tuple[str, ...] = ()
-    buckets: tuple[int, ...] = ()
+    buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
     takes_negative_prompt = False
+    #: The main blocks run on the padded packed sequence; the token refiner sees the prompt's own length.
+    compiled_blocks = ("MiniMaxH3TransformerBlock",)
 
     def load_encoder(self, checkpoint: Path, torch_dtype):
         return _load(_sub_pipeline(checkpoint, "text_encoder"), torch_dtype)
@@ -50,6 +97,7 @@ class MiniMaxH3Adapter:
         # weights. Plain attributes, not components, so the pipeline's device still comes from the transformer.
         denoiser.vae = model_on_meta(checkpoint, "vae")
         denoiser.audio_vae = model_on_meta(checkpoint, "audio_vae")
+        denoiser.sequence_padding = PackedSequencePadding(transformer)
         decoder = None
         if decodes:
             decoder = _load(_sub_pipeline(checkpoint, "decode"), torch_dtype)
@@ -62,8 +110,9 @@ class MiniMaxH3Adapter:
     def pad(self, embeds: dict[str, torch.Tensor], buckets=None) -> dict[str, torch.Tensor]:
         return embeds
 
-    def __call__(self, pipes: H3Pipelines, embeds, *, generator, decodes: bool, check, **kwargs):
-        """Denoise on every rank; decode video and audio on the decoding rank only."""
+    def __call__(self, pipes: H3Pipelines, embeds, *, generator, decodes: bool, check, buckets=(), **kwargs):
+        """Denoise on every rank (packed sequence padded to `buckets`); decode video and audio on the decoding rank."""
+        pipes.denoiser.sequence_padding.buckets = tuple(buckets)
         handle = pipes.denoiser.transformer.register_forward_pre_hook(check.pre_hook, with_kwargs=True)
         try:
             latents = pipes.denoiser(**embeds, generator=generator, output=["latents", "audio_latents"], **kwargs)
