@@ -80,6 +80,7 @@ def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", **torch_
     defaults `fullgraph=True, dynamic=False`. Compile after `load_pipeline`: the TP hooks must be in place first.
     """
     transformer = _transformer_of(pipe_or_transformer)
+    _warn_if_unbucketed(pipe_or_transformer)
     # A pipeline adapter may narrow the blocks to those that run at bucketed shapes (MiniMax-H3: not its refiner).
     chosen = getattr(getattr(pipe_or_transformer, "adapter", None), "compiled_blocks", None)
     block_classes = list(chosen or getattr(transformer, "_repeated_blocks", ()) or ())
@@ -97,6 +98,19 @@ def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", **torch_
         else:
             transformer._repeated_blocks = stock_blocks
     return transformer
+
+
+def _warn_if_unbucketed(pipe) -> None:
+    """A `TPPipeline` whose text length varies and is not bucketed compiles a new graph for every prompt length."""
+    adapter = getattr(pipe, "adapter", None)
+    if adapter is None or adapter.static_text_length or pipe.buckets:
+        return
+    warnings.warn(
+        f"{adapter.pipeline_class} runs without text-length buckets, so every new prompt length compiles new "
+        "graphs. Pass `buckets=` to `load_pipeline` for static shapes (see the adapter in "
+        "neuron_diffusers/pipelines/ for what padding changes for this family).",
+        stacklevel=3,
+    )
 
 
 def _transformer_of(obj):

@@ -37,6 +37,8 @@ class StockPipelineAdapter:
     takes_negative_prompt: bool = True
     #: Call kwargs the adapter fixes, whatever the caller passed (see the subclass for why).
     call_overrides: dict = {}
+    #: Whether the pipeline itself fixes the text length (FLUX pads to `max_sequence_length`), so no bucket is needed.
+    static_text_length: bool = False
     #: Block classes to compile; `None`: all of the transformer's `_repeated_blocks`.
     compiled_blocks: tuple[str, ...] | None = None
 

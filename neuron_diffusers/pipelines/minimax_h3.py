@@ -82,6 +82,7 @@ class MiniMaxH3Adapter:
     encode_kwargs: tuple[str, ...] = ()
     buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
     takes_negative_prompt = False
+    static_text_length = False
     #: The main blocks run on the padded packed sequence; the token refiner sees the prompt's own length.
     compiled_blocks = ("MiniMaxH3TransformerBlock",)
 

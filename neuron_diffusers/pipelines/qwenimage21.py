@@ -4,6 +4,8 @@ Not bucketed: the transformer numbers RoPE positions along one joint sequence in
 *all* text positions, padding included, so padding shifts the image's positions and changes the image (measured:
 0.0025 max abs latent difference on the tiny model after 3 steps, with the padding masked out of attention). One
 prompt per call needs no padding, so the image matches stock exactly; the price is one graph per prompt length.
+For static shapes (Neuron), opt in with `load_pipeline(..., buckets=(64, 128, 256, 512, 1024))`: the image then
+matches what stock makes of that prompt batched with longer ones (stock right-pads a batch the same way).
 """
 
 from .base import StockPipelineAdapter
