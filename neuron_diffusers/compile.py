@@ -18,7 +18,6 @@ visible stall. Three things keep the graph count fixed:
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import re
 import warnings
@@ -114,10 +113,11 @@ def _warn_if_unbucketed(pipe) -> None:
 
 
 def _transformer_of(obj):
-    for candidate in (obj, getattr(obj, "pipe", None), getattr(getattr(obj, "pipe", None), "denoiser", None)):
-        transformer = getattr(candidate, "transformer", None)
-        if isinstance(transformer, torch.nn.Module):
-            return transformer
+    """The transformer of a `TPPipeline` (through its adapter), of a stock pipeline, or `obj` itself."""
+    if hasattr(obj, "adapter"):
+        return obj.adapter.transformer_of(obj.pipe)
+    if isinstance(getattr(obj, "transformer", None), torch.nn.Module):
+        return obj.transformer
     if isinstance(obj, torch.nn.Module) and hasattr(obj, "compile_repeated_blocks"):
         return obj
     raise TypeError(f"Expected a pipeline or a diffusers transformer, got {type(obj).__name__}.")
@@ -135,11 +135,15 @@ def warmup(pipe, sizes: list[tuple[int, int]], buckets: tuple[int, ...] | None =
     generate_kwargs.setdefault("num_inference_steps", 2)
     buckets = pipe.buckets if buckets is None else tuple(buckets)
     _allow_graphs(len(sizes) * max(len(buckets), 1) * GRAPHS_PER_SHAPE)
-    for height, width in sizes:
-        for bucket in buckets or (None,):
-            # A one-token prompt padded to exactly `bucket`: the shapes of any prompt of that bucket.
-            sized = dataclasses.replace(pipe, buckets=(bucket,)) if bucket else pipe
-            sized.generate(["warm-up"], seed=0, height=height, width=width, **generate_kwargs)
+    declared = pipe.buckets
+    try:
+        for height, width in sizes:
+            for bucket in buckets or (None,):
+                # A one-word prompt padded to exactly `bucket`: the shapes of any prompt of that bucket.
+                pipe.buckets = (bucket,) if bucket else ()
+                pipe.generate(["warm-up"], seed=0, height=height, width=width, **generate_kwargs)
+    finally:
+        pipe.buckets = declared
     return RecompileGuard(_transformer_of(pipe), mode=on_recompile) if on_recompile else None
 
 

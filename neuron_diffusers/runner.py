@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from .consistency import LatentAgreement
 from .distributed import broadcast_from_leader, init_distributed, is_tp_leader, rank
 from .integration import check_heads_divisible, mesh_device
 from .pipelines import adapter_for
+from .timing import PhaseTimes
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
@@ -98,6 +99,13 @@ class TPPipeline:
     encoder: object | None
     mesh: DeviceMesh
     buckets: tuple[int, ...]
+    #: Seconds per phase: load, encode, transformer forwards, decode (see `timing.PhaseTimes`).
+    times: PhaseTimes = field(default_factory=PhaseTimes)
+
+    def __post_init__(self):
+        self.times.time_module(self.adapter.transformer_of(self.pipe), "transformer forward")
+        for decoder in self.adapter.decoders(self.pipe):
+            self.times.time_module(decoder, "decode")
 
     @property
     def is_leader(self) -> bool:
@@ -128,10 +136,11 @@ class TPPipeline:
         encode_kwargs = {k: pipeline_kwargs[k] for k in self.adapter.encode_kwargs if k in pipeline_kwargs}
         outputs = []
         for index, (prompt, negative) in enumerate(zip(prompts, negatives)):
-            embeds = self._encode(prompt, negative, encode_kwargs)
+            with self.times.phase("encode"):
+                embeds = self._encode(prompt, negative, encode_kwargs)
             generator = torch.Generator("cpu").manual_seed(seed + index)
             check = LatentAgreement(self.mesh["tp"].get_group(), every=check_latents_every)
-            with torch.no_grad():
+            with torch.no_grad(), self.times.phase("denoise + decode"):
                 outputs.append(
                     self.adapter(self.pipe, embeds, generator=generator, decodes=self.is_leader, check=check,
                                  buckets=self.buckets, **pipeline_kwargs)
@@ -184,13 +193,16 @@ def load_pipeline(
     # A TP degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is
     # read (see `integration.check_heads_divisible`).
     parallel = {"parallel_config": TensorParallelConfig(mesh=tp_mesh)} if tp_mesh.size() > 1 else {}
-    transformer = transformer_class(checkpoint).from_pretrained(
-        checkpoint, subfolder="transformer", dtype=torch_dtype, **parallel
-    )
-    if not parallel:
-        transformer.to(device)
-    encoder = adapter.load_encoder(checkpoint, torch_dtype) if leader else None
-    pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader)
+    times = PhaseTimes()
+    with times.phase("load transformer (sharded)"):
+        transformer = transformer_class(checkpoint).from_pretrained(
+            checkpoint, subfolder="transformer", dtype=torch_dtype, **parallel
+        )
+        if not parallel:
+            transformer.to(device)
+    with times.phase("load other components"):
+        encoder = adapter.load_encoder(checkpoint, torch_dtype) if leader else None
+        pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader)
     # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
     pipe.set_progress_bar_config(disable=rank() != 0)
-    return TPPipeline(adapter, pipe, encoder, mesh, adapter.buckets if buckets is None else tuple(buckets))
+    return TPPipeline(adapter, pipe, encoder, mesh, adapter.buckets if buckets is None else tuple(buckets), times)

@@ -37,6 +37,8 @@ class StockPipelineAdapter:
     takes_negative_prompt: bool = True
     #: Call kwargs the adapter fixes, whatever the caller passed (see the subclass for why).
     call_overrides: dict = {}
+    #: The call kwarg a job's `--guidance` sets (`None`: guidance-distilled, nothing to set).
+    guidance_kwarg: str | None = "guidance_scale"
     #: Whether the pipeline itself fixes the text length (FLUX pads to `max_sequence_length`), so no bucket is needed.
     static_text_length: bool = False
     #: Block classes to compile; `None`: all of the transformer's `_repeated_blocks`.
@@ -70,6 +72,21 @@ class StockPipelineAdapter:
         else:
             pipe.register_modules(vae=None)
         return pipe
+
+    def size_multiple(self, checkpoint: Path) -> int:
+        """What height and width must be multiples of: the VAE's downsampling times the 2x2 latent packing."""
+        return self.vae_scale_factor(read_config(checkpoint, "vae")) * 2
+
+    def vae_scale_factor(self, vae_config: dict) -> int:
+        """As the pipeline's `__init__` computes it (FLUX.1 / FLUX.2: one halving per VAE block after the first)."""
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+    def transformer_of(self, pipe) -> torch.nn.Module:
+        return pipe.transformer
+
+    def decoders(self, pipe) -> list[torch.nn.Module]:
+        """The modules whose forwards are the decode (none where this rank does not decode)."""
+        return [pipe.vae.decoder] if getattr(pipe, "vae", None) is not None else []
 
     # -- padding -------------------------------------------------------------------------------------------
 
@@ -134,6 +151,10 @@ def component_names(checkpoint: Path) -> list[str]:
     """The components a saved pipeline lists in `model_index.json`: `[library, class]` entries, not config values."""
     index = json.loads((Path(checkpoint) / "model_index.json").read_text())
     return [name for name, entry in index.items() if not name.startswith("_") and isinstance(entry, list)]
+
+
+def read_config(checkpoint: Path, component: str) -> dict:
+    return json.loads((Path(checkpoint) / component / "config.json").read_text())
 
 
 def model_on_meta(checkpoint: Path, name: str):

@@ -14,13 +14,14 @@ are compiled (`compiled_blocks`). H3 is guidance-distilled: no negative prompt.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..media import VideoWithAudio
-from .base import bucket_for, model_on_meta
+from .base import bucket_for, model_on_meta, read_config
 
 WORKFLOW = "t2va"
 _TEXT_TAG = 1  # `MINIMAX_H3_TEXT_TAG`: the modality tag the padding rows carry (any valid tag would do)
@@ -83,6 +84,7 @@ class MiniMaxH3Adapter:
     buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
     takes_negative_prompt = False
     static_text_length = False
+    guidance_kwarg = None  # guidance-distilled
     #: The main blocks run on the padded packed sequence; the token refiner sees the prompt's own length.
     compiled_blocks = ("MiniMaxH3TransformerBlock",)
 
@@ -104,6 +106,20 @@ class MiniMaxH3Adapter:
             decoder = _load(_sub_pipeline(checkpoint, "decode"), torch_dtype)
             decoder.to(device)
         return H3Pipelines(denoiser, decoder)
+
+    def size_multiple(self, checkpoint: Path) -> int:
+        """The pipeline's `canvas_multiple`: the VAE's spatial compression times the transformer's patch width."""
+        compression = math.prod(read_config(checkpoint, "vae")["spatial_downsample_factors"])
+        return compression * read_config(checkpoint, "transformer").get("patch_size", (1, 2, 2))[2]
+
+    def transformer_of(self, pipes: H3Pipelines) -> torch.nn.Module:
+        return pipes.denoiser.transformer
+
+    def decoders(self, pipes: H3Pipelines) -> list[torch.nn.Module]:
+        """The video and audio decoders' modules (none where this rank does not decode)."""
+        if pipes.decoder is None:
+            return []
+        return [pipes.decoder.vae.decoder, pipes.decoder.audio_vae.decoder]
 
     def encode(self, encoder, prompt: str, negative_prompt: str | None) -> dict[str, torch.Tensor]:
         return encoder(prompt=prompt, output=["prompt_embeds", "text_token_tags"])

@@ -16,6 +16,10 @@ class QwenImageAdapter(StockPipelineAdapter):
     encode_kwargs = ("max_sequence_length",)
     buckets = (64, 128, 256, 512, 1024)
     call_overrides = {"max_sequence_length": 1024}
+    guidance_kwarg = "true_cfg_scale"
+
+    def vae_scale_factor(self, vae_config: dict) -> int:
+        return 2 ** len(vae_config["temperal_downsample"])
 
     def encode(self, encoder, prompt, negative_prompt, max_sequence_length=512):
         embeds = {}

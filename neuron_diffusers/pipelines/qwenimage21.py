@@ -15,6 +15,10 @@ class QwenImage21Adapter(StockPipelineAdapter):
     pipeline_class = "QwenImage21Pipeline"
     text_components = ("text_encoder",)
     shared_components = ("processor",)  # the pipeline's `__init__` tokenizes its chat template
+    guidance_kwarg = "true_cfg_scale"
+
+    def vae_scale_factor(self, vae_config: dict) -> int:
+        return 16  # fixed in the pipeline's `__init__`
 
     def encode(self, encoder, prompt, negative_prompt):
         embeds = {}
