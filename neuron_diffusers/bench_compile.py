@@ -164,8 +164,6 @@ def _cold_compile(checkpoint, mesh, adapter, backend: str, call: tuple) -> dict:
     on-disk caches off, so a second run of the benchmark is as cold as the first. Nothing is subtracted: the first
     call's wall time includes running it (see the eager row for what that costs).
     """
-    import types
-
     import torch
     import torch._inductor.config
 
@@ -180,7 +178,7 @@ def _cold_compile(checkpoint, mesh, adapter, backend: str, call: tuple) -> dict:
         transformer = _fresh_transformer(checkpoint, mesh)
         if name == "repeated_blocks":
             # Through the adapter, so a family that compiles only some block classes (MiniMax-H3) does so here too.
-            compile_repeated_blocks(types.SimpleNamespace(adapter=adapter, transformer=transformer), backend=backend)
+            compile_repeated_blocks(transformer, backend=backend, blocks=adapter.compiled_blocks)
             model = transformer
         else:
             model = torch.compile(transformer, backend=backend, fullgraph=False, dynamic=False)

@@ -21,7 +21,7 @@ from .tp_plans import FAMILY_PLANS, model_class, stock_plan
 
 DEGREES = (1, 2, 4, 8)
 NAMES = {"flux": "FLUX.1", "flux2": "FLUX.2", "qwenimage": "Qwen-Image", "qwenimage21": "Qwen-Image-2.1",
-         "h3": "MiniMax-H3"}
+         "h3": "MiniMax-H3", "hunyuanvideo": "HunyuanVideo"}
 
 
 def _gib(params: float) -> float:

@@ -72,16 +72,18 @@ def _row_major_block_inputs(module, args, kwargs):
     return _row_major_inputs(args), {name: _row_major_inputs(value) for name, value in kwargs.items()}
 
 
-def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", **torch_compile_kwargs):
+def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", *, blocks: list[str] | None = None,
+                            **torch_compile_kwargs):
     """Compile the transformer's repeated blocks in place; returns the transformer.
 
-    Takes a `TPPipeline`, a stock pipeline, or the transformer itself. `torch_compile_kwargs` override the
-    defaults `fullgraph=True, dynamic=False`. Compile after `load_pipeline`: the TP hooks must be in place first.
+    Takes a `TPPipeline`, a stock pipeline, or the transformer itself. `blocks` names the block classes to compile
+    (default: the pipeline adapter's choice, else the model's `_repeated_blocks`). `torch_compile_kwargs` override
+    the defaults `fullgraph=True, dynamic=False`. Compile after `load_pipeline`: the TP hooks must be in place first.
     """
     transformer = _transformer_of(pipe_or_transformer)
     _warn_if_unbucketed(pipe_or_transformer)
     # A pipeline adapter may narrow the blocks to those that run at bucketed shapes (MiniMax-H3: not its refiner).
-    chosen = getattr(getattr(pipe_or_transformer, "adapter", None), "compiled_blocks", None)
+    chosen = blocks or getattr(getattr(pipe_or_transformer, "adapter", None), "compiled_blocks", None)
     block_classes = list(chosen or getattr(transformer, "_repeated_blocks", ()) or ())
     for module in transformer.modules():
         if type(module).__name__ in block_classes:

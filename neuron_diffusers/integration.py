@@ -14,8 +14,9 @@ slice-streaming loader) that we build on rather than copy. Five gaps are closed 
 4. One more plan style, `GatheredColwiseParallel` (see `tp_plans/styles.py`), taught to the three
    stock dispatchers: shard specs (so the loader streams only each rank's slice), partitioning
    styles, and hooks-only styles (used after a streaming load, on Neuron too).
-5. Attention processors that split heads with `attn.heads` (MiniMax-H3's) see the rank's local
-   head count once `to_q` is sharded, so they split by head_dim as Flux and Qwen already do.
+5. Attention processors that split heads with `attn.heads` (MiniMax-H3's, HunyuanVideo's, the stock
+   `AttnProcessor2_0`) see the rank's local head count once `to_q` is sharded, so they split by
+   head_dim as Flux and Qwen already do.
 
 Everything is pinned to the diffusers 0.42 series (`diffusers~=0.42.1` in pyproject): each name we
 touch is private and may move in another release, so `install()` refuses other versions loudly.
@@ -208,6 +209,24 @@ def _wrap_style_dispatch(stock, partition: bool):
     return dispatch
 
 
+def _glob_targets(pattern: str, container: torch.nn.ModuleList) -> list:
+    """The module a `prefix.*.suffix` rule names in each block; the first block that lacks it is named."""
+    suffix = pattern.partition("*")[2].strip(".")
+    targets = []
+    for index, block in enumerate(container):
+        try:
+            targets.append(block.get_submodule(suffix))
+        except AttributeError as error:
+            if index == 0:
+                raise
+            raise ValueError(
+                f"Tensor-parallel plan rule '{pattern}' fits blocks 0 to {index - 1} but not block {index}: {error}. "
+                "A '*' rule applies to every block and cannot skip one, so leave this module, and the Linears that "
+                "feed it, out of the plan."
+            ) from None
+    return targets
+
+
 def check_plan_matches(model: torch.nn.Module, plan: dict) -> None:
     """Every plan rule must name a Linear in `model`: a typo would otherwise silently shard nothing."""
     for pattern in plan:
@@ -215,7 +234,13 @@ def check_plan_matches(model: torch.nn.Module, plan: dict) -> None:
         try:
             if star:
                 container = model.get_submodule(prefix.strip("."))
-                targets = [block.get_submodule(suffix.strip(".")) for block in container]
+                if not isinstance(container, torch.nn.ModuleList):
+                    raise ValueError(
+                        f"Tensor-parallel plan rule '{pattern}' puts '*' after '{prefix.strip('.')}' "
+                        f"({type(container).__name__}), which is not a ModuleList: '*' stands for a block's index. "
+                        "Point the prefix at the ModuleList of blocks, or drop the '*'."
+                    )
+                targets = _glob_targets(pattern, container)
             else:
                 targets = [model.get_submodule(pattern)]
         except AttributeError as error:
@@ -230,15 +255,53 @@ def check_plan_matches(model: torch.nn.Module, plan: dict) -> None:
             )
 
 
+def shard_specs(model: torch.nn.Module, plan: dict, tp: int) -> dict:
+    """diffusers' own layout of every planned parameter at degree `tp` (`resolve_tp_shard_specs`, our style included).
+
+    The function the loader streams each rank's slice with, so a lint built on it sees exactly what a load would
+    do. Raises `ValueError` for a rule that matches no Linear, an unknown style, packed blocks that do not divide
+    the Linear, or a block that `tp` does not divide.
+    """
+    from diffusers.hooks import tensor_parallel
+
+    return tensor_parallel.resolve_tp_shard_specs(model, plan, tp)
+
+
+def style_kind(style) -> str | None:
+    """What a plan style does to its Linear: `"colwise"` (output left split across the ranks, packed or not),
+    `"rowwise"` (input split, output all-reduced), `"gathered"` (output all-gathered), or None (not a style)."""
+    from diffusers.hooks.tensor_parallel import PackedColwiseParallel, PackedRowwiseParallel
+
+    if isinstance(style, GatheredColwiseParallel):
+        return "gathered"
+    if style == "colwise" or isinstance(style, PackedColwiseParallel):
+        return "colwise"
+    if style == "rowwise" or isinstance(style, PackedRowwiseParallel):
+        return "rowwise"
+    return None
+
+
 def _set_local_heads(model: torch.nn.Module) -> None:
-    """After sharding, `attn.heads` counts this rank's heads, so `unflatten(-1, (attn.heads, -1))` is right."""
+    """After sharding, `attn.heads` counts this rank's heads, so `unflatten(-1, (attn.heads, -1))` is right.
+
+    diffusers' shared `Attention` class has no `head_dim`: its processors derive it as `inner_dim // heads`
+    (Qwen-Image) or from the local width and `attn.heads` (`AttnProcessor2_0`, HunyuanVideo). There `heads`
+    and `inner_dim` shrink together, keeping their ratio, the head size, for both kinds (and a second call
+    changes nothing).
+    """
     from torch.distributed.tensor import DTensor
 
     for module in model.modules():
-        to_q = getattr(module, "to_q", None)
+        weight = getattr(getattr(module, "to_q", None), "weight", None)
         heads, head_dim = getattr(module, "heads", None), getattr(module, "head_dim", None)
-        if isinstance(heads, int) and isinstance(head_dim, int) and isinstance(getattr(to_q, "weight", None), DTensor):
-            module.heads = to_q.weight.to_local().shape[0] // head_dim
+        if not (isinstance(heads, int) and isinstance(weight, DTensor)):
+            continue
+        local_width = weight.to_local().shape[0]
+        if isinstance(head_dim, int):
+            module.heads = local_width // head_dim
+        elif isinstance(getattr(module, "inner_dim", None), int):
+            module.heads = local_width // (module.inner_dim // heads)
+            module.inner_dim = local_width
 
 
 def _wrap_apply_tensor_parallel(stock):

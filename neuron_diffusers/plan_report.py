@@ -111,7 +111,7 @@ def _planned_calls(model: torch.nn.Module, plan: dict) -> dict[str, int]:
     return counts
 
 
-def _group(param_name: str) -> str:
+def param_group(param_name: str) -> str:
     """`transformer_blocks.3.norm1.linear.weight` -> `transformer_blocks.*.norm1.linear` (first index = the block)."""
     module_path = param_name.rpartition(".")[0] or param_name
     return re.sub(r"\.\d+(?=\.|$)", ".*", module_path, count=1)
@@ -121,7 +121,7 @@ def _replicated(model: torch.nn.Module, sharded: set, total: int) -> list[dict]:
     groups: dict[str, int] = {}
     for name, param in model.named_parameters():
         if name not in sharded:
-            groups[_group(name)] = groups.get(_group(name), 0) + param.numel()
+            groups[param_group(name)] = groups.get(param_group(name), 0) + param.numel()
     rows = [{"module": module, "params": n, "share": n / total} for module, n in groups.items()]
     return sorted(rows, key=lambda row: (-row["params"], row["module"]))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,10 +31,12 @@ def resolve_model(model: str | os.PathLike) -> Path:
         path = tiny.cached_tiny(str(model))
     elif Path(model).is_dir():
         path = Path(model)
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
+        path = _hub_snapshot(str(model))
     else:
         raise FileNotFoundError(
-            f"Model '{model}' is neither a local checkpoint folder nor a tiny family ({', '.join(tiny.FAMILIES)}). "
-            "Download the checkpoint first (e.g. `hf download ID --local-dir DIR`) and pass the folder."
+            f"Model '{model}' is neither a local checkpoint folder, a Hub id (owner/name) nor a tiny family "
+            f"({', '.join(tiny.FAMILIES)}). Pass a folder that `save_pretrained` or `hf download` wrote."
         )
     if not any((path / index).is_file() for index in ("model_index.json", "modular_model_index.json")):
         raise FileNotFoundError(
@@ -42,6 +45,20 @@ def resolve_model(model: str | os.PathLike) -> Path:
         )
     adapter_for(path)  # an unsupported pipeline family fails here, before any weight is read
     return path
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The Hub checkpoint's local snapshot (downloaded once into the Hugging Face cache, which every rank shares)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id))
+    except Exception as error:  # offline, gated, misspelt: all mean "no local copy to load"
+        raise FileNotFoundError(
+            f"Model '{repo_id}' is not a local folder and could not be fetched from the Hub "
+            f"({type(error).__name__}: {error}). Download it first (`hf download {repo_id} --local-dir DIR`) and "
+            "pass the folder."
+        ) from error
 
 
 def transformer_class_name(checkpoint: Path) -> str:

@@ -11,6 +11,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -40,6 +41,23 @@ def _rank_main(fn, rank, world_size, port, timeout_s, args, results) -> None:
             dist.destroy_process_group()
 
 
+def _record(rank, ok, payload, collected, failures, reported) -> None:
+    reported.add(rank)
+    if ok:
+        collected[rank] = pickle.loads(payload)
+    else:
+        failures.append(f"rank {rank} failed:\n{payload}")
+
+
+def _drain(results, collected, failures, reported, grace_s: float) -> None:
+    """Record whatever results are still in flight."""
+    try:
+        while True:
+            _record(*results.get(timeout=grace_s), collected, failures, reported)
+    except queue.Empty:
+        pass
+
+
 def run_on_cpu_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
     """`fn(*args)` on `world_size` gloo ranks (the process group is up when it runs).
 
@@ -55,17 +73,29 @@ def run_on_cpu_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> li
     ]
     for proc in procs:
         proc.start()
-    collected, failures = {}, []
+    collected, failures, reported = {}, [], set()
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, ok, payload = results.get(timeout=timeout_s)
-            if ok:
-                collected[rank] = pickle.loads(payload)
-            else:
-                failures.append(f"rank {rank} failed:\n{payload}")
-    except queue.Empty:
-        missing = sorted(set(range(world_size)) - set(collected))
-        failures.append(f"ranks {missing} gave no result within {timeout_s:.0f} s")
+        while len(reported) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                # A rank that died without reporting (killed, or a script without a `__main__` guard) would
+                # otherwise keep the others waiting for the whole timeout.
+                dead = [r for r, proc in enumerate(procs) if r not in reported and proc.exitcode is not None]
+                if dead:
+                    _drain(results, collected, failures, reported, grace_s=2.0)  # it may have reported, then exited
+                    dead = [r for r in dead if r not in reported]
+                if dead:
+                    failures.append(", ".join(f"rank {r} exited with code {procs[r].exitcode} without a result"
+                                              for r in dead))
+                    break
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - reported)
+                    failures.append(f"ranks {missing} gave no result within {timeout_s:.0f} s")
+                    break
+                continue
+            _record(rank, ok, payload, collected, failures, reported)
     finally:
         for proc in procs:
             proc.join(timeout=10)

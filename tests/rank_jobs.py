@@ -4,55 +4,7 @@ from __future__ import annotations
 
 import torch
 
-
-def capture_transformer_call(pipe, **call_kwargs):
-    """The (args, kwargs) of the transformer's first call during a stock pipeline run, and its output.
-
-    Capturing real calls keeps the comparison generic: no per-family input recipes to get wrong.
-    """
-    captured = []
-
-    def hook(module, args, kwargs):
-        if not captured:
-            captured.append((args, dict(kwargs)))
-
-    handle = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            pipe(**call_kwargs)
-    finally:
-        handle.remove()
-    args, kwargs = captured[0]
-    return args, kwargs
-
-
-def reference_call(checkpoint, family):
-    """The transformer's first real call in the stock single-process pipeline, and its predictions."""
-    from diffusers import DiffusionPipeline
-
-    from neuron_diffusers import tiny
-
-    height, width = tiny.default_size(family)
-    call = dict(prompt="a red fox in the snow", height=height, width=width, generator=torch.Generator().manual_seed(0))
-    if family == "h3":
-        from neuron_diffusers.tiny import h3
-
-        pipe = h3.load(checkpoint, workflow="t2va")
-        call.update(num_frames=h3.DEFAULT_NUM_FRAMES, num_inference_steps=3, output="videos")
-    else:
-        pipe = DiffusionPipeline.from_pretrained(checkpoint)
-        call.update(num_inference_steps=2, output_type="latent")
-    args, kwargs = capture_transformer_call(pipe, **call)
-    with torch.no_grad():
-        return args, kwargs, predictions(pipe.transformer(*args, **kwargs))
-
-
-def predictions(output) -> tuple:
-    """Every tensor the transformer predicts (H3: video and audio), whatever container holds them."""
-    items = output.to_tuple() if hasattr(output, "to_tuple") else output
-    if isinstance(items, torch.Tensor):
-        return (items,)
-    return tuple(item for item in items if isinstance(item, torch.Tensor))
+from neuron_diffusers.verify_cases import predictions
 
 
 def _load_tp(checkpoint, mesh):

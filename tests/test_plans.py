@@ -7,6 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from neuron_diffusers import tiny
 from neuron_diffusers.spawn import run_on_cpu_ranks
+from neuron_diffusers.verify_cases import reference_call
 
 import rank_jobs
 
@@ -25,7 +26,7 @@ def _without_key(checkpoint, destination):
 @pytest.fixture(scope="module")
 def plan_report(tiny_checkpoint, tmp_path_factory):
     checkpoints = {family: tiny_checkpoint(family) for family in tiny.FAMILIES}
-    calls = {family: rank_jobs.reference_call(checkpoints[family], family) for family in tiny.FAMILIES}
+    calls = {family: reference_call(checkpoints[family], family) for family in tiny.FAMILIES}
     broken = _without_key(checkpoints["flux"], tmp_path_factory.mktemp("broken") / "flux")
     return run_on_cpu_ranks(rank_jobs.plan_checks, 4, checkpoints, calls, broken)
 

@@ -3,6 +3,7 @@
 import pytest
 
 from neuron_diffusers.spawn import run_on_cpu_ranks
+from neuron_diffusers.verify_cases import reference_call
 
 import rank_jobs
 from conftest import IMAGE_FAMILIES
@@ -11,7 +12,7 @@ from conftest import IMAGE_FAMILIES
 @pytest.fixture(scope="module")
 def spine_report(tiny_checkpoint):
     checkpoints = {family: tiny_checkpoint(family) for family in IMAGE_FAMILIES}
-    calls = {family: rank_jobs.reference_call(checkpoints[family], family) for family in IMAGE_FAMILIES}
+    calls = {family: reference_call(checkpoints[family], family) for family in IMAGE_FAMILIES}
     reports = run_on_cpu_ranks(rank_jobs.spine_checks, 2, checkpoints, calls)
     return reports
 

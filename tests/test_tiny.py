@@ -85,3 +85,23 @@ def test_h3_load_names_a_component_that_did_not_load(tmp_path, tiny_checkpoint):
         weights.write_bytes(b"not safetensors")
     with pytest.raises(RuntimeError, match="did not load vae"):
         h3.load(broken, workflow="t2va")
+
+
+def _build_on_rank_1():
+    import torch.distributed as dist
+
+    from neuron_diffusers import tiny
+
+    if dist.get_rank() != 1:  # rank 1 alone builds: the rank whose weights transformers would not write
+        return None
+    path = tiny.cached_tiny("flux")
+    return sorted(p.name for p in (path / "text_encoder").iterdir())
+
+
+def test_cached_tiny_inside_a_process_group_writes_every_weight(tmp_path, monkeypatch):
+    """transformers' `save_pretrained` skips weights on ranks != 0 inside a process group; the cache must not."""
+    from neuron_diffusers.spawn import run_on_cpu_ranks
+
+    monkeypatch.setenv("NEURON_DIFFUSERS_CACHE", str(tmp_path / "cache"))
+    _, files = run_on_cpu_ranks(_build_on_rank_1, 2)
+    assert "model.safetensors" in files

@@ -11,6 +11,8 @@ import hashlib
 import importlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -76,8 +78,24 @@ def cached_tiny(family: str, seed: int = 0) -> Path:
     if path.is_dir() and any(path.iterdir()):
         return path
     try:
-        build_tiny(family, path, seed=seed)
-    except (FileExistsError, OSError):
+        if _in_process_group():
+            _build_in_subprocess(family, path, seed)
+        else:
+            build_tiny(family, path, seed=seed)
+    except (FileExistsError, OSError, subprocess.CalledProcessError):
         if not (path.is_dir() and any(path.iterdir())):
             raise
     return path
+
+
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _build_in_subprocess(family: str, path: Path, seed: int) -> None:
+    """Build in a fresh interpreter: inside a process group, transformers' `save_pretrained` writes weights on
+    rank 0 only, so a build by any other rank would be renamed into the cache without its text encoder's weights."""
+    command = [sys.executable, "-m", "neuron_diffusers", "tiny", family, str(path), "--seed", str(seed)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import flux, flux2, minimax_h3, qwenimage, qwenimage21
+from . import flux, flux2, hunyuanvideo, minimax_h3, qwenimage, qwenimage21
 from .styles import GatheredColwiseParallel
 
 FAMILY_PLANS = {
@@ -19,6 +19,7 @@ FAMILY_PLANS = {
     "qwenimage": qwenimage,
     "qwenimage21": qwenimage21,
     "h3": minimax_h3,
+    "hunyuanvideo": hunyuanvideo,  # the worked example of docs/authoring.md; no tiny pipeline
 }
 
 _STOCK_PLANS: dict[str, dict | None] = {}
@@ -31,7 +32,7 @@ def model_class(family: str):
 
 
 def register() -> None:
-    """Make our plans the classes' `_tp_plan`, remembering stock's (H3 has none)."""
+    """Make our plans the classes' `_tp_plan`, remembering stock's (H3 and HunyuanVideo have none)."""
     for family, module in FAMILY_PLANS.items():
         cls = model_class(family)
         _STOCK_PLANS.setdefault(cls.__name__, cls.__dict__.get("_tp_plan"))

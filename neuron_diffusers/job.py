@@ -1,0 +1,326 @@
+"""The generation job: many prompts over a ("dp", "tp") mesh, resumable, each output traceable to its settings.
+
+Every check of the user's input happens in `plan_job`, before the process group starts or any weight is read.
+`run_job` then splits the requests over the data-parallel TP groups (every core busy), skips outputs that already
+exist (a rerun after a crash resumes), writes each output atomically with its settings in the PNG's text chunks,
+and has rank 0 write `summary.json` (per-image seconds, per-phase timings, the compile report, the mesh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__, tiny
+from .pipelines import adapter_for
+
+JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance"}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One output to make: the prompt and every setting that shapes it."""
+
+    index: int
+    prompt: str
+    negative_prompt: str | None
+    seed: int
+    height: int
+    width: int
+    steps: int
+    guidance: float | None
+
+    def file_name(self, suffix: str) -> str:
+        """`00007-a-red-fox-in-the-snow.png`: sortable, and readable without opening the file."""
+        slug = re.sub(r"[^a-z0-9]+", "-", self.prompt.lower()).strip("-")[:48].rstrip("-") or "prompt"
+        return f"{self.index:05d}-{slug}{suffix}"
+
+
+@dataclass
+class JobPlan:
+    """Everything `run_job` needs, all of it checked."""
+
+    checkpoint: Path
+    family: str | None
+    requests: list[Request]
+    out_dir: Path
+    suffix: str
+    tp: int
+    world_size: int
+    dtype: str
+    settings: dict = field(default_factory=dict)
+
+
+def read_prompt_file(path: Path) -> list[dict]:
+    """`.txt`: one prompt a line (blank lines skipped). `.jsonl`: one object a line with `prompt` and optional
+    `negative_prompt`, `seed`, `height`, `width`, `steps`, `guidance`. Errors name the file and line."""
+    if path.suffix not in (".txt", ".jsonl"):
+        raise ValueError(f"--prompts {path}: use a .txt file (one prompt a line) or a .jsonl file (one JSON object "
+                         "a line, with a 'prompt' key).")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--prompts {path} cannot be read: {error}. Check the path and that it is UTF-8 text.")
+    entries = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        if path.suffix == ".txt":
+            entries.append({"prompt": line.strip(), "_where": where})
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} is not valid JSON ({error.msg}): each line must be one JSON object such as "
+                             '{"prompt": "a red fox", "seed": 3}.')
+        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+            raise ValueError(f"{where} has no string 'prompt': each line must be an object with a 'prompt'.")
+        unknown = set(entry) - JSONL_KEYS
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(JSONL_KEYS)}.")
+        entries.append({**entry, "_where": where})
+    if not entries:
+        raise ValueError(f"--prompts {path} holds no prompt: add one per line.")
+    return entries
+
+
+def _int(entry: dict, key: str, default, minimum: int = 0):
+    value = entry.get(key, default)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+        raise ValueError(f"{entry['_where']}: '{key}' must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+def build_requests(entries: list[dict], *, seed: int, height: int, width: int, steps: int,
+                   guidance: float | None, negative_prompt: str | None, multiple: int) -> list[Request]:
+    """Requests with the command line's settings as defaults; image `i` without its own seed uses `seed + i`."""
+    requests = []
+    for index, entry in enumerate(entries):
+        if not entry["prompt"].strip():
+            raise ValueError(f"{entry['_where']}: the prompt is empty. Give the text to generate from.")
+        guidance_value = entry.get("guidance", guidance)
+        if guidance_value is not None and not isinstance(guidance_value, (int, float)):
+            raise ValueError(f"{entry['_where']}: 'guidance' must be a number, got {guidance_value!r}.")
+        request = Request(
+            index=index,
+            prompt=entry["prompt"],
+            negative_prompt=entry.get("negative_prompt", negative_prompt),
+            seed=_int(entry, "seed", seed + index),
+            height=_int(entry, "height", height, 1),
+            width=_int(entry, "width", width, 1),
+            steps=_int(entry, "steps", steps, 1),
+            guidance=guidance_value,
+        )
+        if request.height % multiple or request.width % multiple:
+            raise ValueError(
+                f"{entry['_where']}: {request.height}x{request.width} is not allowed by this model: height and width "
+                f"must be multiples of {multiple} (e.g. {request.height // multiple * multiple or multiple}x"
+                f"{request.width // multiple * multiple or multiple})."
+            )
+        requests.append(request)
+    return requests
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """The output folder must be creatable and writable; checked before anything starts."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file: --out names a folder to write one file per prompt into.")
+    existing = out_dir if out_dir.exists() else next(p for p in out_dir.parents if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"--out {out_dir}: {existing} is not writable. Choose another output folder.")
+
+
+def check_safetensors(checkpoint: Path) -> None:
+    """Tensor-parallel loading streams each rank's slice out of safetensors; other formats would load whole."""
+    folder = checkpoint / "transformer"
+    if folder.is_dir() and not any(folder.glob("*.safetensors")):
+        raise ValueError(
+            f"{folder} has no .safetensors weights: tensor-parallel loading reads each rank's slice straight from "
+            "safetensors. Convert the checkpoint (load it and `save_pretrained(..., safe_serialization=True)`)."
+        )
+
+
+def settings_text(request: Request, plan: JobPlan, dp: int) -> dict[str, str]:
+    """The PNG text chunks: enough to regenerate the image."""
+    values = {
+        "prompt": request.prompt,
+        "negative_prompt": request.negative_prompt or "",
+        "seed": request.seed,
+        "steps": request.steps,
+        "size": f"{request.width}x{request.height}",
+        "guidance": "" if request.guidance is None else request.guidance,
+        "model": plan.settings.get("model", str(plan.checkpoint)),
+        "tp": plan.tp,
+        "dp": dp,
+        "dtype": plan.dtype,
+        "neuron_diffusers": __version__,
+    }
+    return {key: str(value) for key, value in values.items()}
+
+
+def plan_job(args, world_size: int, device_type: str) -> JobPlan:
+    """Resolve and check everything a run needs, reading no weight and starting no process group."""
+    from .distributed import check_tp_degree
+    from .runner import check_heads, resolve_model
+
+    if (args.prompt is None) == (args.prompts is None):
+        raise ValueError("Give exactly one of --prompt TEXT or --prompts FILE (.txt or .jsonl).")
+    entries = ([{"prompt": args.prompt, "_where": "--prompt"}] if args.prompts is None
+               else read_prompt_file(args.prompts))
+    check_out_dir(args.out)
+    tp = args.tp or world_size
+    check_tp_degree(tp, world_size)
+    checkpoint = resolve_model(args.model)
+    check_safetensors(checkpoint)
+    check_heads(checkpoint, tp)
+    adapter = adapter_for(checkpoint)
+    if args.negative_prompt is not None and not adapter.takes_negative_prompt:
+        raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")
+    if args.guidance is not None and adapter.guidance_kwarg is None:
+        raise ValueError(f"{adapter.pipeline_class} is guidance-distilled: drop --guidance.")
+    family = args.model if args.model in tiny.FAMILIES else None
+    default_height, default_width = tiny.default_size(family) if family else (1024, 1024)
+    requests = build_requests(
+        entries, seed=args.seed, height=args.height or default_height, width=args.width or default_width,
+        steps=args.steps, guidance=args.guidance, negative_prompt=args.negative_prompt,
+        multiple=adapter.size_multiple(checkpoint),
+    )
+    suffix = ".mp4" if adapter.pipeline_class == "MiniMaxH3Blocks" else ".png"
+    dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
+    return JobPlan(checkpoint, family, requests, args.out, suffix, tp, world_size, dtype,
+                   settings={"model": args.model, "compile": args.compile, "warmup": args.warmup})
+
+
+def _call_kwargs(request: Request, adapter) -> dict:
+    kwargs = {"height": request.height, "width": request.width, "num_inference_steps": request.steps}
+    if request.guidance is not None:
+        kwargs[adapter.guidance_kwarg] = request.guidance
+    return kwargs
+
+
+def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm: bool, timeout_s: float) -> dict:
+    """Generate every request on this process's TP group's share; rank 0 returns (and writes) the summary."""
+    import torch.distributed as dist
+    from tqdm.auto import tqdm
+
+    from .compile import compile_report, compile_repeated_blocks, warmup
+    from .distributed import init_distributed, is_main_process, is_tp_leader
+    from .media import save_png, save_video
+    from .runner import load_pipeline
+
+    mesh = init_distributed(tp=plan.tp, timeout_s=timeout_s)
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    leader = is_tp_leader(mesh)
+    mine = plan.requests[dp_rank::dp]
+    # The leader writes the files, so it decides what is left to do and tells its group.
+    todo = [[r for r in mine if overwrite or not (plan.out_dir / r.file_name(plan.suffix)).exists()] if leader else None]
+    dist.broadcast_object_list(todo, src=dist.get_global_rank(mesh["tp"].get_group(), 0), group=mesh["tp"].get_group())
+    todo = todo[0]
+
+    pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype))
+    compile_start = time.perf_counter()
+    if compile_backend:
+        compile_repeated_blocks(pipe, backend=compile_backend)
+        if warm and todo:
+            sizes = sorted({(r.height, r.width) for r in todo})
+            warmup(pipe, sizes, num_inference_steps=max(2, min(r.steps for r in todo)))
+    compile_seconds = time.perf_counter() - compile_start
+    generate_start = dict(pipe.times.seconds)
+
+    images = []
+    # One bar, on rank 0, over its TP group's images; the stock per-step bar (rank 0 only, see `load_pipeline`)
+    # clears itself after each image.
+    pipe.pipe.set_progress_bar_config(disable=not is_main_process(), leave=False)
+    bar = tqdm(total=len(todo), desc="images" if dp == 1 else f"images (TP group 0 of {dp})",
+               disable=not is_main_process())
+    for request in todo:
+        start = time.perf_counter()
+        outputs = pipe.generate(request.prompt, seed=request.seed, negative_prompt=request.negative_prompt,
+                                **_call_kwargs(request, pipe.adapter))
+        save_seconds = 0.0
+        if leader:
+            save_start = time.perf_counter()
+            path = plan.out_dir / request.file_name(plan.suffix)
+            if plan.suffix == ".mp4":
+                save_video(outputs[0], path)
+            else:
+                save_png(outputs[0], path, text=settings_text(request, plan, dp))
+            save_seconds = time.perf_counter() - save_start
+            images.append({**asdict(request), "file": path.name, "seconds": round(time.perf_counter() - start, 4),
+                           "save_seconds": round(save_seconds, 4)})
+        bar.update(1)
+    bar.close()
+
+    phases = _phases(pipe, generate_start, compile_seconds, images)
+    gathered = [None] * dist.get_world_size() if is_main_process() else None
+    dist.gather_object({"images": images, "phases": phases} if leader else None, gathered, dst=0)
+    summary = None
+    if is_main_process():
+        summary = _summary(plan, mesh, gathered, compile_report() if compile_backend else None)
+        _write_json_atomically(plan.out_dir / "summary.json", summary)
+    dist.barrier()
+    return summary
+
+
+def _phases(pipe, generate_start: dict, compile_seconds: float, images: list) -> dict:
+    """Seconds per phase on this rank: load, compile (incl. warm-up), encode, denoise per step, decode, save."""
+    seconds = {name: value - generate_start.get(name, 0.0) for name, value in pipe.times.seconds.items()}
+    forwards = pipe.times.calls.get("transformer forward", 0)
+    decode = seconds.get("decode", 0.0)
+    denoise = seconds.get("denoise + decode", 0.0) - decode
+    return {
+        "load transformer (sharded)": round(pipe.times.seconds.get("load transformer (sharded)", 0.0), 4),
+        "load other components": round(pipe.times.seconds.get("load other components", 0.0), 4),
+        "compile + warm-up": round(compile_seconds, 4),
+        "encode": round(seconds.get("encode", 0.0), 4),
+        "denoise": round(denoise, 4),
+        "denoise per transformer forward": round(denoise / forwards, 4) if forwards else None,
+        "decode": round(decode, 4),
+        "save": round(sum(image["save_seconds"] for image in images), 4),
+    }
+
+
+def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> dict:
+    leaders = [entry for entry in gathered if entry is not None]
+    images = sorted((image for entry in leaders for image in entry["images"]), key=lambda image: image["index"])
+    return {
+        "model": plan.settings.get("model"),
+        "checkpoint": str(plan.checkpoint),
+        "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size},
+        "dtype": plan.dtype,
+        "neuron_diffusers": __version__,
+        "requests": len(plan.requests),
+        "generated": len(images),
+        "images": images,
+        "phases_per_tp_group": [entry["phases"] for entry in leaders],
+        "compile": compile_info,
+    }
+
+
+def _write_json_atomically(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(data, indent=2, default=str))
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def format_phases(summary: dict) -> str:
+    """The final timing table: one column per TP group."""
+    groups = summary["phases_per_tp_group"]
+    rows = ["| phase | " + " | ".join(f"group {i}" for i in range(len(groups))) + " |",
+            "|---|" + "---:|" * len(groups)]
+    for phase in groups[0] if groups else []:
+        values = [group[phase] for group in groups]
+        rows.append(f"| {phase} (s) | " + " | ".join("-" if v is None else f"{v:.3f}" for v in values) + " |")
+    return "\n".join(rows)

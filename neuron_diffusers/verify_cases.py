@@ -1,0 +1,167 @@
+"""A tiny random transformer and one real forward call of it: what `plan verify` runs through TP ranks.
+
+A plan is proven by feeding the same call to one process and to N tensor-parallel ranks and comparing the
+predictions; a misplaced style usually still runs and gives a plausible but wrong image, so nothing short
+of the numbers will do. This module supplies the model and the call, from one of two sources:
+
+- a tiny pipeline family (`tiny.FAMILIES`): its stock pipeline runs once on CPU and the transformer's
+  first call is captured, so the inputs are exactly what real inference feeds it;
+- `TRANSFORMER_CASES`: a tiny config of a class we ship no tiny pipeline for, and a function building
+  its forward inputs. Verifying a plan for a new class means adding one entry here (see
+  `docs/authoring.md`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import tiny
+from .tp_plans import FAMILY_PLANS
+
+PROMPT = "a red fox in the snow"
+
+
+@dataclass(frozen=True)
+class Case:
+    """A tiny checkpoint (`checkpoint/transformer`), one call of its transformer and the single-process output."""
+
+    model_class: str
+    checkpoint: Path
+    args: tuple
+    kwargs: dict
+    expected: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class TinyTransformer:
+    """A config small enough to run in milliseconds that keeps every module the plan names, and its inputs."""
+
+    config: dict
+    inputs: Callable[[torch.Generator], dict]
+
+
+def _hunyuanvideo_inputs(generator: torch.Generator) -> dict:
+    batch, text_len = 2, 12
+    mask = torch.ones(batch, text_len, dtype=torch.int64)
+    mask[1, 9:] = 0  # the second prompt is padded: the refiner's and the blocks' attention masks are exercised
+    return {
+        "hidden_states": torch.randn(batch, 4, 2, 8, 8, generator=generator),  # 2 frames of 8x8 latents
+        "timestep": torch.tensor([500, 250]),
+        "encoder_hidden_states": torch.randn(batch, text_len, 32, generator=generator),
+        "encoder_attention_mask": mask,
+        "pooled_projections": torch.randn(batch, 24, generator=generator),
+        "guidance": torch.tensor([6000.0, 6000.0]),
+    }
+
+
+TRANSFORMER_CASES = {
+    # 4 heads (TP 1, 2, 4) of 16 (rotary axes 4 + 6 + 6); mlp_ratio stays at the default 4.0, which the
+    # plan's PackedRowwiseParallel([1, 4]) depends on.
+    "HunyuanVideoTransformer3DModel": TinyTransformer(
+        config={
+            "in_channels": 4, "out_channels": 4, "num_attention_heads": 4, "attention_head_dim": 16,
+            "num_layers": 2, "num_single_layers": 2, "num_refiner_layers": 2, "text_embed_dim": 32,
+            "pooled_projection_dim": 24, "rope_axes_dim": (4, 6, 6),
+        },
+        inputs=_hunyuanvideo_inputs,
+    ),
+}
+
+
+def predictions(output) -> tuple[torch.Tensor, ...]:
+    """Every tensor the transformer predicts (H3: video and audio), whatever container holds them."""
+    items = output.to_tuple() if hasattr(output, "to_tuple") else output
+    if isinstance(items, torch.Tensor):
+        return (items,)
+    return tuple(item for item in items if isinstance(item, torch.Tensor))
+
+
+def _pipeline_families() -> dict[str, str]:
+    return {FAMILY_PLANS[family].MODEL_CLASS: family for family in tiny.FAMILIES}
+
+
+def verifiable_models() -> list[str]:
+    """What `build_case` accepts besides family names: the classes it has a tiny model of."""
+    return sorted({*_pipeline_families(), *TRANSFORMER_CASES})
+
+
+def build_case(model: str, workdir: Path, seed: int = 0) -> Case:
+    """The case for `model`: a tiny pipeline family, a registered family's name, or a class name.
+
+    `workdir` receives the checkpoint of a `TRANSFORMER_CASES` model (pipeline families use the tiny
+    cache). Raises `ValueError` naming what is accepted when there is no tiny model of `model`.
+    """
+    class_name = FAMILY_PLANS[model].MODEL_CLASS if model in FAMILY_PLANS else model
+    family = model if model in tiny.FAMILIES else _pipeline_families().get(class_name)
+    if family is not None:
+        return _pipeline_case(family, seed)
+    if class_name in TRANSFORMER_CASES:
+        return _transformer_case(class_name, workdir, seed)
+    raise ValueError(
+        f"There is no tiny model of '{model}' to verify a plan on: `plan verify` needs a tiny random instance and "
+        f"one forward call. Known: tiny families {', '.join(tiny.FAMILIES)} and classes {', '.join(verifiable_models())}. "
+        "For another class, add its tiny config and an inputs function to "
+        "`neuron_diffusers.verify_cases.TRANSFORMER_CASES` (docs/authoring.md, step 6)."
+    )
+
+
+def capture_first_call(pipe, call: dict) -> tuple[tuple, dict]:
+    """The (args, kwargs) of the transformer's first call in one real pipeline run: no per-family input recipes."""
+    captured = []
+
+    def hook(module, args, kwargs):
+        if not captured:
+            captured.append((args, dict(kwargs)))
+
+    handle = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe(**call)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def reference_call(checkpoint: Path, family: str, seed: int = 0) -> tuple[tuple, dict, tuple[torch.Tensor, ...]]:
+    """The transformer's first real call in `family`'s stock single-process pipeline at `checkpoint`, and its
+    predictions."""
+    from diffusers import DiffusionPipeline
+
+    height, width = tiny.default_size(family)
+    call = {"prompt": PROMPT, "height": height, "width": width, "generator": torch.Generator().manual_seed(seed)}
+    if family == "h3":  # a modular pipeline, loaded per workflow, that makes video with audio
+        from .tiny import h3
+
+        pipe = h3.load(checkpoint, workflow="t2va")
+        call.update(num_frames=h3.DEFAULT_NUM_FRAMES, num_inference_steps=3, output="videos")
+    else:
+        pipe = DiffusionPipeline.from_pretrained(checkpoint)
+        call.update(num_inference_steps=2, output_type="latent")
+    args, kwargs = capture_first_call(pipe, call)
+    with torch.no_grad():
+        return args, kwargs, predictions(pipe.transformer(*args, **kwargs))
+
+
+def _pipeline_case(family: str, seed: int) -> Case:
+    from .tp_plans import model_class
+
+    checkpoint = tiny.cached_tiny(family, seed=seed)
+    args, kwargs, expected = reference_call(checkpoint, family, seed)
+    return Case(model_class(family).__name__, checkpoint, args, kwargs, expected)
+
+
+def _transformer_case(class_name: str, workdir: Path, seed: int) -> Case:
+    import diffusers
+
+    recipe = TRANSFORMER_CASES[class_name]
+    torch.manual_seed(seed)
+    model = getattr(diffusers, class_name).from_config(recipe.config).eval()
+    model.save_pretrained(workdir / "transformer")
+    kwargs = recipe.inputs(torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected = predictions(model(**kwargs))
+    return Case(class_name, workdir, (), kwargs, expected)

@@ -1,0 +1,94 @@
+"""Every script in samples/ runs offline on its tiny checkpoint and writes a valid PNG (MiniMax-H3: MP4 + WAV).
+
+Each run costs a few seconds of imports, so only FLUX.1 runs tensor-parallel under torchrun (2 CPU ranks over
+gloo); the others run as one plain process, which the same script supports. Qwen-Image-2.1 runs with true CFG and
+`--compile aot_eager`, its opt-in length buckets included, so the compile path of the samples is exercised too.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from neuron_diffusers import tiny
+from neuron_diffusers.tiny.h3 import DEFAULT_NUM_FRAMES
+
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+# script, family, output name, extra arguments, ranks (None: one plain process)
+CASES = [
+    ("flux1.py", "flux", "flux1.png", ["--tp", "2"], 2),
+    ("flux2.py", "flux2", "flux2.png", [], None),
+    ("qwen_image.py", "qwenimage", "qwen_image.png", [], None),
+    ("qwen_image_21.py", "qwenimage21", "q21.png",
+     ["--negative-prompt", "blurry", "--true-cfg-scale", "4", "--compile", "aot_eager"], None),
+    ("minimax_h3.py", "h3", "h3.mp4", [], None),
+]
+REAL_IDS = {
+    "flux1.py": "black-forest-labs/FLUX.1-dev",
+    "flux2.py": "black-forest-labs/FLUX.2-dev",
+    "qwen_image.py": "Qwen/Qwen-Image",
+    "qwen_image_21.py": "Qwen/Qwen-Image-2.1",
+    "minimax_h3.py": "MiniMaxAI/MiniMax-H3",
+}
+
+
+def _run(script: str, out: Path, extra: list[str], ranks: int | None, **env) -> subprocess.CompletedProcess:
+    launcher = [sys.executable]
+    if ranks:  # --standalone: torchrun picks a free port, so concurrent runs on one machine do not collide
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}  # tiny checkpoints come from the hermetic cache (conftest.py)
+    result = subprocess.run([*launcher, str(SAMPLES / script), "--out", str(out), *extra], cwd=out.parent, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (
+        f"{script} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    return result
+
+
+@pytest.mark.parametrize("script, family, name, extra, ranks", CASES, ids=[case[0] for case in CASES])
+def test_sample_runs_offline_and_writes_valid_media(tmp_path, tmp_path_factory, script, family, name, extra, ranks):
+    out = tmp_path / name
+    # The multi-rank run starts from an empty cache, so its ranks build the tiny model on first use, as a user's do.
+    cache = {"NEURON_DIFFUSERS_CACHE": str(tmp_path_factory.mktemp("cold-cache"))} if ranks else {}
+    result = _run(script, out, extra, ranks, **cache)
+    # Only rank 0 logs: one settings line and one "wrote" line, whatever the number of ranks.
+    assert result.stdout.count("wrote ") == 1 and result.stdout.count(" steps ") == 1, result.stdout
+    assert "recompiled after warm-up" not in result.stderr
+    height, width = tiny.default_size(family)
+    if out.suffix == ".mp4":
+        import av
+
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["h3.mp4", "h3.wav"]  # no temporaries left
+        with av.open(str(out)) as container:
+            kinds = sorted(stream.type for stream in container.streams)
+            frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+        assert kinds == ["audio", "video"] and len(frames) == DEFAULT_NUM_FRAMES
+        assert frames[0].shape == (height, width, 3)
+        with wave.open(str(out.with_suffix(".wav"))) as wav:
+            assert wav.getnchannels() == 2 and wav.getnframes() > 0
+        return
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # the leader wrote it once, no temporaries left
+    with Image.open(out) as image:
+        image.verify()
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size == (width, height)
+        assert image.text["model"] == family and image.text["seed"] == "0" and image.text["prompt"]
+        pixels = np.asarray(image.convert("RGB"), dtype=np.float64) / 255
+    assert pixels.std() > 0.01, "the image is flat: nothing was generated"
+
+
+def test_every_sample_is_listed_and_documents_its_real_checkpoint():
+    scripts = sorted(p.name for p in SAMPLES.glob("*.py"))
+    assert scripts == sorted(REAL_IDS) == sorted(case[0] for case in CASES)
+    readme = (SAMPLES / "README.md").read_text()
+    for script, model_id in REAL_IDS.items():
+        assert f"samples/{script}" in readme and model_id in readme, script
+        docstring = re.match(r'"""(.*?)"""', (SAMPLES / script).read_text(), re.S).group(1)
+        # The same script runs the real model: download it, then pass the folder with --model.
+        assert f"hf download {model_id} --local-dir" in docstring, script
+        assert f"samples/{script} --model " in docstring, script
