@@ -148,7 +148,7 @@ def check_safetensors(checkpoint: Path) -> None:
 
 
 def settings_text(request: Request, plan: JobPlan, dp: int) -> dict[str, str]:
-    """The PNG text chunks: enough to regenerate the image."""
+    """The PNG text chunks (MP4 metadata for video): enough to regenerate the output."""
     values = {
         "prompt": request.prompt,
         "negative_prompt": request.negative_prompt or "",
@@ -248,10 +248,8 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
         if leader:
             save_start = time.perf_counter()
             path = plan.out_dir / request.file_name(plan.suffix)
-            if plan.suffix == ".mp4":
-                save_video(outputs[0], path)
-            else:
-                save_png(outputs[0], path, text=settings_text(request, plan, dp))
+            save = save_video if plan.suffix == ".mp4" else save_png
+            save(outputs[0], path, text=settings_text(request, plan, dp))
             save_seconds = time.perf_counter() - save_start
             images.append({**asdict(request), "file": path.name, "seconds": round(time.perf_counter() - start, 4),
                            "save_seconds": round(save_seconds, 4)})

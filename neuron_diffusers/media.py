@@ -85,8 +85,11 @@ def save_png(image: PIL.Image.Image, path: str | os.PathLike[str], text: Mapping
     return path
 
 
-def save_video(video: VideoWithAudio, path: str | os.PathLike[str]) -> list[Path]:
+def save_video(video: VideoWithAudio, path: str | os.PathLike[str], text: Mapping[str, str] | None = None) -> list[Path]:
     """Write `video` to `path` (an .mp4) and, when it has audio, the audio to `path` with a .wav suffix.
+
+    `text` goes into the MP4's metadata (custom keys kept with `movflags=use_metadata_tags`), as PNG text
+    chunks do for images: how the clip was made travels with it.
 
     The MP4 is H.264 in yuv420p, the pixel format every player decodes, at `video.fps`. yuv420p
     stores colour once per 2x2 pixel block, so it needs an even width and height; an odd one is
@@ -105,7 +108,7 @@ def save_video(video: VideoWithAudio, path: str | os.PathLike[str]) -> list[Path
     _check_video(video, path)
     paths = [path] if video.audio is None else [path, path.with_suffix(".wav")]
     with _staged(paths) as temps:
-        _write_mp4(video, temps[0])
+        _write_mp4(video, temps[0], text or {})
         if video.audio is not None:
             _write_wav(video.audio, video.sampling_rate, temps[1])
     return paths
@@ -154,11 +157,12 @@ def _rgb_uint8(frames: torch.Tensor) -> torch.Tensor:
     return (frames * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
-def _write_mp4(video: VideoWithAudio, target: Path) -> None:
+def _write_mp4(video: VideoWithAudio, target: Path, text: Mapping[str, str]) -> None:
     import av  # imported here so that importing this module stays cheap
 
     rgb = _rgb_uint8(video.frames).numpy()
-    with av.open(str(target), "w", format="mp4") as container:
+    with av.open(str(target), "w", format="mp4", options={"movflags": "use_metadata_tags"}) as container:
+        container.metadata.update(text)
         # Every stream must exist before the first packet is muxed (that writes the MP4 header).
         picture = container.add_stream("libx264", rate=Fraction(video.fps).limit_denominator(1001))
         picture.height, picture.width = rgb.shape[1:3]

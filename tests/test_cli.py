@@ -130,8 +130,10 @@ def test_h3_writes_a_playable_mp4_with_its_audio(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["00000-a-red-fox.mp4", "00000-a-red-fox.wav", "summary.json"]
     with av.open(str(tmp_path / "00000-a-red-fox.mp4")) as container:
         kinds = sorted(stream.type for stream in container.streams)
+        settings = dict(container.metadata)
         frames = sum(1 for _ in container.decode(video=0))
     assert kinds == ["audio", "video"] and frames == 124  # tiny H3's default clip (see tiny/h3.py)
+    assert settings["prompt"] == "a red fox" and settings["seed"] == "0" and settings["tp"] == "2"
 
 
 def test_compile_and_warmup_report_no_recompiles(tmp_path):

@@ -116,6 +116,13 @@ def test_odd_size_is_padded_to_even_and_plays(tmp_path):
     assert (decoded[0][:, :33, 31] - frames[0][:, :, 30]).abs().mean() < 8 / 255
 
 
+def test_video_metadata_travels_in_the_mp4(tmp_path):
+    (path,) = save_video(VideoWithAudio(moving_gradient(num_frames=2), fps=2), tmp_path / "clip.mp4",
+                         text={"prompt": "a red fox", "seed": "7"})
+    with av.open(str(path)) as container:
+        assert container.metadata["prompt"] == "a red fox" and container.metadata["seed"] == "7"
+
+
 def test_audio_at_an_aac_rate_is_not_resampled(tmp_path):
     audio = stereo_tone(16000, 16000)[:1]  # one second, mono
 
