@@ -208,12 +208,9 @@ def _call_kwargs(request: Request, adapter) -> dict:
 def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm: bool, timeout_s: float) -> dict:
     """Generate every request on this process's TP group's share; rank 0 returns (and writes) the summary."""
     import torch.distributed as dist
-    from tqdm.auto import tqdm
 
-    from .compile import compile_report, compile_repeated_blocks, warmup
+    from .compile import compile_report
     from .distributed import init_distributed, is_main_process, is_tp_leader
-    from .media import save_png, save_video
-    from .runner import load_pipeline
 
     mesh = init_distributed(tp=plan.tp, timeout_s=timeout_s)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -224,15 +221,37 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
     dist.broadcast_object_list(todo, src=dist.get_global_rank(mesh["tp"].get_group(), 0), group=mesh["tp"].get_group())
     todo = todo[0]
 
+    images, phases = [], None
+    if todo:  # a fully resumed group loads nothing
+        images, phases = _generate_share(plan, mesh, todo, compile_backend, warm, leader, dp)
+    gathered = [None] * dist.get_world_size() if is_main_process() else None
+    dist.gather_object({"images": images, "phases": phases} if leader else None, gathered, dst=0)
+    summary = None
+    if is_main_process():
+        summary = _summary(plan, mesh, gathered, compile_report() if compile_backend else None)
+        _write_json_atomically(plan.out_dir / "summary.json", summary)
+    dist.barrier()
+    return summary
+
+
+def _generate_share(plan: JobPlan, mesh, todo: list[Request], compile_backend, warm: bool, leader: bool, dp: int):
+    """Load, compile, and generate this TP group's `todo`; returns the leader's per-image records and phases."""
+    from tqdm.auto import tqdm
+
+    from .compile import compile_repeated_blocks, warmup
+    from .distributed import is_main_process
+    from .media import save_png, save_video
+    from .runner import load_pipeline
+
     pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype))
     compile_start = time.perf_counter()
     if compile_backend:
         compile_repeated_blocks(pipe, backend=compile_backend)
-        if warm and todo:
+        if warm:
             sizes = sorted({(r.height, r.width) for r in todo})
             warmup(pipe, sizes, num_inference_steps=max(2, min(r.steps for r in todo)))
     compile_seconds = time.perf_counter() - compile_start
-    generate_start = dict(pipe.times.seconds)
+    after_warmup = (dict(pipe.times.seconds), dict(pipe.times.calls))
 
     images = []
     # One bar, on rank 0, over its TP group's images; the stock per-step bar (rank 0 only, see `load_pipeline`)
@@ -256,21 +275,16 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
         bar.update(1)
     bar.close()
 
-    phases = _phases(pipe, generate_start, compile_seconds, images)
-    gathered = [None] * dist.get_world_size() if is_main_process() else None
-    dist.gather_object({"images": images, "phases": phases} if leader else None, gathered, dst=0)
-    summary = None
-    if is_main_process():
-        summary = _summary(plan, mesh, gathered, compile_report() if compile_backend else None)
-        _write_json_atomically(plan.out_dir / "summary.json", summary)
-    dist.barrier()
-    return summary
+    return images, _phases(pipe, after_warmup, compile_seconds, images)
 
 
-def _phases(pipe, generate_start: dict, compile_seconds: float, images: list) -> dict:
-    """Seconds per phase on this rank: load, compile (incl. warm-up), encode, denoise per step, decode, save."""
-    seconds = {name: value - generate_start.get(name, 0.0) for name, value in pipe.times.seconds.items()}
-    forwards = pipe.times.calls.get("transformer forward", 0)
+def _phases(pipe, after_warmup: tuple[dict, dict], compile_seconds: float, images: list) -> dict:
+    """Seconds per phase on this rank: load, compile (incl. warm-up), encode, denoise per step, decode, save.
+
+    Encode, denoise and decode count the real requests only: warm-up runs are compile time.
+    """
+    seconds = {name: value - after_warmup[0].get(name, 0.0) for name, value in pipe.times.seconds.items()}
+    forwards = pipe.times.calls.get("transformer forward", 0) - after_warmup[1].get("transformer forward", 0)
     decode = seconds.get("decode", 0.0)
     denoise = seconds.get("denoise + decode", 0.0) - decode
     return {
@@ -314,11 +328,14 @@ def _write_json_atomically(path: Path, data: dict) -> None:
 
 
 def format_phases(summary: dict) -> str:
-    """The final timing table: one column per TP group."""
+    """The final timing table: one column per TP group ("-" for a group that had nothing left to do)."""
     groups = summary["phases_per_tp_group"]
+    names = next((list(group) for group in groups if group), [])
+    if not names:
+        return "nothing left to generate: every output exists (pass --overwrite to regenerate)"
     rows = ["| phase | " + " | ".join(f"group {i}" for i in range(len(groups))) + " |",
             "|---|" + "---:|" * len(groups)]
-    for phase in groups[0] if groups else []:
-        values = [group[phase] for group in groups]
+    for phase in names:
+        values = [None if group is None else group[phase] for group in groups]
         rows.append(f"| {phase} (s) | " + " | ".join("-" if v is None else f"{v:.3f}" for v in values) + " |")
     return "\n".join(rows)
