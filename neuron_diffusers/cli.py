@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from . import bench_compile, bench_encoder, bench_memory, plan_check, plan_report, plan_verify, tiny
+from . import bench_collectives, bench_compile, bench_encoder, bench_memory, plan_check, plan_report, plan_verify, tiny
 from .compile import resolve_backend
 from .distributed import detect_runtime
 from .job import format_phases, plan_job, run_job
@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
         bench_commands.add_parser("memory", help="per-rank memory of every family at TP 1/2/4/8, ours vs stock"))
     bench_encoder.add_arguments(
         bench_commands.add_parser("encoder", help="peak RSS of the encoding rank vs the others vs a stock pipeline"))
+    bench_collectives.add_arguments(
+        bench_commands.add_parser("collectives", help="collectives per forward counted at run time; step time vs stock"))
     bench_compile.add_arguments(
         bench_commands.add_parser("compile", help="recompiles over a prompt set, stock vs ours; cold compile times"))
     return parser
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_memory.main_with(args)
         elif command == "bench encoder":
             bench_encoder.main_with(args)
+        elif command == "bench collectives":
+            bench_collectives.main_with(args)
         elif command == "bench compile":
             bench_compile.main_with(args)
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:

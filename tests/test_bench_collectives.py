@@ -1,0 +1,41 @@
+"""Collectives counted at run time equal what `plan report` counts from the plan, for every family and plan."""
+
+import pytest
+
+from neuron_diffusers import bench_collectives, plan_report, tiny
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return bench_collectives.measure(tp=2, repeats=1)
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_runtime_counts_match_the_static_plan_report(measured, family):
+    checkpoint = str(tiny.cached_tiny(family))
+    for plan, figures in measured["families"][family].items():
+        if figures is None:  # no stock plan (MiniMax-H3)
+            assert plan == "stock" and family == "h3"
+            continue
+        static = plan_report.plan_report(checkpoint, 2, plan)
+        assert figures["calls"].get("all_reduce", 0) == static["all_reduces_per_forward"], plan
+        assert figures["calls"].get("all_gather", 0) == static["all_gathers_per_forward"], plan
+        assert figures["seconds_per_forward"] > 0 and sum(figures["bytes"].values()) > 0
+
+
+def test_counter_sees_a_plain_torch_distributed_all_reduce():
+    import torch
+
+    assert bench_collectives._kind("c10d::allreduce_") == "all_reduce"
+    assert bench_collectives._kind("_c10d_functional::all_gather_into_tensor") == "all_gather"
+    assert bench_collectives._kind("_c10d_functional::wait_tensor") is None
+    assert bench_collectives._kind("aten::add.Tensor") is None
+    counter = bench_collectives.CollectiveCounter()
+    with counter:
+        torch.ones(2) + 1
+    assert not counter.calls
+
+
+def test_table_renders(measured):
+    table = bench_collectives.format_table(measured)
+    assert "| flux | ours |" in table and "no stock plan" in table
