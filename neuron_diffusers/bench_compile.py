@@ -46,20 +46,13 @@ def _delta(before: dict, after: dict) -> dict:
     }
 
 
-def _clone_tensors(tree):
-    """The captured call, detached from later in-place updates of the pipeline's tensors."""
-    import torch
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree)
-
-
 def _stock_run(checkpoint, pipeline_class: str, backend: str, prompts: list[str], call: dict) -> tuple[dict, tuple]:
     """The stock way. Also returns the transformer's first call (args, kwargs), for the cold compile."""
     import torch
     import torch._dynamo.exc as dynamo_exc
 
     from .compile import compile_report
+    from .verify_cases import recording_first_call
 
     if pipeline_class == H3:
         from .tiny import h3
@@ -71,31 +64,25 @@ def _stock_run(checkpoint, pipeline_class: str, backend: str, prompts: list[str]
 
         pipe = DiffusionPipeline.from_pretrained(checkpoint)
     pipe.set_progress_bar_config(disable=True)
-    captured = []
-
-    def capture_first_call(module, args, kwargs):  # on the transformer itself, outside the compiled blocks
-        if not captured:
-            captured.append(_clone_tensors((args, dict(kwargs))))
-
-    handle = pipe.transformer.register_forward_pre_hook(capture_first_call, with_kwargs=True)
     torch._dynamo.reset()
     pipe.transformer.compile_repeated_blocks(backend=backend, fullgraph=True, dynamic=False)
     limit = torch._dynamo.config.recompile_limit  # before our `warmup`, which may raise it for its declared shapes
     start = before = compile_report()
     new_graphs, limit_hit_at, error = [], None, None
     began = time.perf_counter()
-    for index, prompt in enumerate(prompts):
-        try:
-            with torch.no_grad():
-                pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(0), **call)
-        except dynamo_exc.FailOnRecompileLimitHit as exc:
-            limit_hit_at, error = index, f"{type(exc).__name__}: " + str(exc).partition("\n")[0]
-            break
-        after = compile_report()
-        new_graphs.append(after["graphs"] - before["graphs"])
-        before = after
+    # Recorded on the transformer itself, outside the compiled blocks.
+    with recording_first_call(pipe.transformer) as captured:
+        for index, prompt in enumerate(prompts):
+            try:
+                with torch.no_grad():
+                    pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(0), **call)
+            except dynamo_exc.FailOnRecompileLimitHit as exc:
+                limit_hit_at, error = index, f"{type(exc).__name__}: " + str(exc).partition("\n")[0]
+                break
+            after = compile_report()
+            new_graphs.append(after["graphs"] - before["graphs"])
+            before = after
     seconds = time.perf_counter() - began
-    handle.remove()
     stock = {**_delta(start, compile_report()), "seconds": round(seconds, 3), "prompts_run": len(new_graphs),
              "recompile_limit": limit,
              "new_graphs_per_prompt": new_graphs, "limit_hit_at_prompt": limit_hit_at, "limit_error": error}

@@ -96,9 +96,9 @@ def _rss_mib() -> dict[str, float]:
     """This process's current RSS, its own peak (`VmHWM`), and `ru_maxrss` (see the module doc), in MiB."""
     import resource
 
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return {"now": int(fields["VmRSS"].split()[0]) / 1024, "peak": int(fields["VmHWM"].split()[0]) / 1024,
-            "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
+    from .bench_rss import process_rss_mib
+
+    return {**process_rss_mib(), "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB
 
 
 def _alive_pretrained_models() -> list[str]:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from diffusers.hooks import tensor_parallel
 
+from .integration import shard_specs
 from .plan_report import BF16_BYTES, held_params, meta_model, plan_dict
 from .spawn import run_on_cpu_ranks
 
@@ -53,7 +53,7 @@ def build_checkpoint(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def _rss_mib() -> dict[str, float]:
+def process_rss_mib() -> dict[str, float]:
     """This process's peak, current, anonymous and file-backed resident memory (Linux `/proc/self/status`)."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     return {key: int(fields[name].split()[0]) / 1024
@@ -71,15 +71,15 @@ def _measured_load(checkpoint: str, tp: bool) -> dict:
     if tp:
         kwargs["parallel_config"] = TensorParallelConfig(mesh=DeviceMesh("cpu", list(range(dist.get_world_size()))))
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
-    before = _rss_mib()
+    before = process_rss_mib()
     model = FluxTransformer2DModel.from_pretrained(checkpoint, subfolder="transformer", dtype=torch.bfloat16,
                                                    **kwargs)
-    loaded = _rss_mib()
+    loaded = process_rss_mib()
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     with torch.no_grad():
         for tensor in local:  # mmap-backed weights become resident only when read
             tensor.view(torch.uint8).max()
-    used = _rss_mib()
+    used = process_rss_mib()
     return {
         "held_mib": sum(t.nbytes for t in local) / MB,
         "load_peak_mib": loaded["peak"] - before["now"],
@@ -98,7 +98,7 @@ def _expected(checkpoint: Path, tp: int) -> dict[str, float]:
     colwise slices and replicated weights stay zero-copy views of the file.
     """
     family, model = meta_model(str(checkpoint))
-    specs = tensor_parallel.resolve_tp_shard_specs(model, plan_dict(family, "ours"), tp)
+    specs = shard_specs(model, plan_dict(family, "ours"), tp)
     params = dict(model.named_parameters())
     sharded = {name for name, spec in specs.items() if spec.dim is not None}
     return {

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 from . import bench_collectives, bench_compile, bench_encoder, bench_memory, plan_check, plan_report, plan_verify, tiny
-from .compile import resolve_backend
 from .distributed import detect_runtime
 from .job import format_phases, plan_job, run_job
 
@@ -93,10 +92,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args) -> int:
-    if args.warmup and not args.compile:
-        raise ValueError("--warmup compiles shapes up front, so it needs --compile [BACKEND].")
-    if args.compile:
-        resolve_backend(args.compile)
     runtime = detect_runtime()
     # Every check runs here, before the process group starts or any weight is read. Every rank resolves the
     # model itself: a tiny family is built into the cache by whichever rank renames its build into place first.

@@ -167,9 +167,14 @@ def settings_text(request: Request, plan: JobPlan, dp: int) -> dict[str, str]:
 
 def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     """Resolve and check everything a run needs, reading no weight and starting no process group."""
+    from .compile import resolve_backend
     from .distributed import check_tp_degree
     from .runner import check_heads, resolve_model
 
+    if args.warmup and not args.compile:
+        raise ValueError("--warmup compiles shapes up front, so it needs --compile [BACKEND].")
+    if args.compile:
+        resolve_backend(args.compile)
     if (args.prompt is None) == (args.prompts is None):
         raise ValueError("Give exactly one of --prompt TEXT or --prompts FILE (.txt or .jsonl).")
     entries = ([{"prompt": args.prompt, "_where": "--prompt"}] if args.prompts is None
@@ -211,6 +216,7 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
 
     from .compile import compile_report
     from .distributed import init_distributed, is_main_process, is_tp_leader
+    from .media import save_json
 
     mesh = init_distributed(tp=plan.tp, timeout_s=timeout_s)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -229,7 +235,7 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
     summary = None
     if is_main_process():
         summary = _summary(plan, mesh, gathered, compile_report() if compile_backend else None)
-        _write_json_atomically(plan.out_dir / "summary.json", summary)
+        save_json(summary, plan.out_dir / "summary.json")
     dist.barrier()
     return summary
 
@@ -314,17 +320,6 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
         "phases_per_tp_group": [entry["phases"] for entry in leaders],
         "compile": compile_info,
     }
-
-
-def _write_json_atomically(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(json.dumps(data, indent=2, default=str))
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def format_phases(summary: dict) -> str:

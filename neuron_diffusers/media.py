@@ -1,4 +1,4 @@
-"""Writing generated media to disk: PNG images, and MP4 video with an optional WAV soundtrack.
+"""Writing generated media to disk: PNG images, MP4 video with an optional WAV soundtrack, a run's JSON summary.
 
 Every file is written to a temporary name beside its destination and renamed into place only
 once it is complete, so a job killed mid-write (preempted, out of memory, Ctrl-C) never leaves a
@@ -11,6 +11,7 @@ some sample rates, so the MP4's soundtrack may have been resampled.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import secrets
@@ -82,6 +83,14 @@ def save_png(image: PIL.Image.Image, path: str | os.PathLike[str], text: Mapping
         info.add_text(key, value)
     with _staged([path]) as (temp,):
         image.save(temp, format="PNG", pnginfo=info)
+    return path
+
+
+def save_json(data: Mapping, path: str | os.PathLike[str]) -> Path:
+    """Write `data` as indented JSON to `path`, atomically (a run's `summary.json`)."""
+    path = Path(path)
+    with _staged([path]) as (temp,):
+        temp.write_text(json.dumps(data, indent=2, default=str))
     return path
 
 

@@ -18,12 +18,11 @@ import re
 from pathlib import Path
 
 import torch
-from diffusers.hooks import tensor_parallel
-from diffusers.hooks.tensor_parallel import PackedRowwiseParallel
 
+from .checkpoint import component_class_name
 from .distributed import divisors
-from .runner import transformer_class_name
-from .tp_plans import FAMILY_PLANS, GatheredColwiseParallel, model_class, stock_plan
+from .integration import shard_specs, style_kind
+from .tp_plans import FAMILY_PLANS, model_class, stock_plan
 
 PLANS = ("ours", "stock")
 BF16_BYTES = 2
@@ -47,7 +46,7 @@ def meta_model(model: str) -> tuple[str, torch.nn.Module]:
     if not Path(model).is_dir():
         raise FileNotFoundError(f"Model '{model}' is neither a family ({', '.join(FAMILY_PLANS)}) nor a checkpoint "
                                 "folder. Name a family, or pass the folder that `save_pretrained` wrote.")
-    family = _family_of(transformer_class_name(Path(model)), model)
+    family = _family_of(component_class_name(Path(model), "transformer"), model)
     cls = model_class(family)
     config = cls.load_config(model, subfolder="transformer")
     with torch.device("meta"):
@@ -70,7 +69,7 @@ def plan_dict(family: str, plan: str) -> dict:
 
 def sharded_names(model: torch.nn.Module, plan: dict | None, tp: int) -> set[str]:
     """Parameters `plan` splits across ranks (`None`: no plan; a rowwise bias has `dim=None`: replicated)."""
-    specs = tensor_parallel.resolve_tp_shard_specs(model, plan, tp) if plan else {}
+    specs = shard_specs(model, plan, tp) if plan else {}
     return {name for name, spec in specs.items() if spec.dim is not None}
 
 
@@ -86,12 +85,12 @@ def held_params(model: torch.nn.Module, sharded: set[str], tp: int) -> int:
 
 def valid_tp_degrees(model: torch.nn.Module, plan: dict) -> list[int]:
     """Degrees dividing the attention heads for which every sharded block splits evenly."""
-    tensor_parallel.resolve_tp_shard_specs(model, plan, 1)  # a plan that does not fit the model fails here, loudly
+    shard_specs(model, plan, 1)  # a plan that does not fit the model fails here, loudly
     heads = model.config.num_attention_heads
     valid = [1]
     for degree in divisors(heads)[1:]:
         try:
-            tensor_parallel.resolve_tp_shard_specs(model, plan, degree)
+            shard_specs(model, plan, degree)
         except ValueError:
             continue
         valid.append(degree)
@@ -104,9 +103,10 @@ def _planned_calls(model: torch.nn.Module, plan: dict) -> dict[str, int]:
     for pattern, style in plan.items():
         prefix, star, _ = pattern.partition("*")
         matches = len(model.get_submodule(prefix.strip("."))) if star else 1
-        if style == "rowwise" or isinstance(style, PackedRowwiseParallel):
+        kind = style_kind(style)
+        if kind == "rowwise":
             counts["all_reduce"] += matches
-        elif isinstance(style, GatheredColwiseParallel):
+        elif kind == "gathered":
             counts["all_gather"] += matches
     return counts
 

@@ -8,7 +8,6 @@ stock pipeline, checking that the group's latents agree → the leader decodes a
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import tiny
+from .checkpoint import component_class_name, read_config
 from .consistency import LatentAgreement
 from .distributed import broadcast_from_leader, init_distributed, is_tp_leader, rank
 from .integration import check_heads_divisible, mesh_device
@@ -38,12 +38,7 @@ def resolve_model(model: str | os.PathLike) -> Path:
             f"Model '{model}' is neither a local checkpoint folder, a Hub id (owner/name) nor a tiny family "
             f"({', '.join(tiny.FAMILIES)}). Pass a folder that `save_pretrained` or `hf download` wrote."
         )
-    if not any((path / index).is_file() for index in ("model_index.json", "modular_model_index.json")):
-        raise FileNotFoundError(
-            f"{path} is not a diffusers pipeline checkpoint: it has no model_index.json. Point --model at the "
-            f"folder that `save_pretrained` wrote, or name a tiny family ({', '.join(tiny.FAMILIES)})."
-        )
-    adapter_for(path)  # an unsupported pipeline family fails here, before any weight is read
+    adapter_for(path)  # a folder without a pipeline index, or an unsupported family, fails here
     return path
 
 
@@ -61,34 +56,15 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from error
 
 
-def transformer_class_name(checkpoint: Path) -> str:
-    """The transformer's class name, from `model_index.json` or a modular pipeline's index (H3)."""
-    for index_name in ("model_index.json", "modular_model_index.json"):
-        index_path = checkpoint / index_name
-        if index_path.is_file():
-            entry = json.loads(index_path.read_text()).get("transformer")
-            if entry is None:
-                raise ValueError(f"{index_path} lists no 'transformer' component.")
-            if entry[0] != "diffusers":
-                raise ValueError(f"The transformer of {checkpoint} is a {entry[0]}.{entry[1]}, not a diffusers model.")
-            # `[library, class]`, or a modular `[library, class, spec]` whose spec may carry the class alone.
-            return entry[1] or entry[2]["type_hint"][1]
-    raise FileNotFoundError(
-        f"{checkpoint} has neither model_index.json nor modular_model_index.json: point at the folder that a "
-        f"pipeline's `save_pretrained` wrote, or name a tiny family ({', '.join(tiny.FAMILIES)})."
-    )
-
-
 def transformer_class(checkpoint: Path):
     import diffusers
 
-    return getattr(diffusers, transformer_class_name(checkpoint))
+    return getattr(diffusers, component_class_name(checkpoint, "transformer"))
 
 
 def check_heads(checkpoint: Path, tp: int) -> None:
     """Reject a TP degree that does not divide the checkpoint's attention heads, before the process group starts."""
-    config = json.loads((checkpoint / "transformer" / "config.json").read_text())
-    check_heads_divisible(str(checkpoint), config.get("num_attention_heads"), tp)
+    check_heads_divisible(str(checkpoint), read_config(checkpoint, "transformer").get("num_attention_heads"), tp)
 
 
 # Inputs `generate` owns: passing them would bypass the one-rank encoding or the rank-consistent noise.

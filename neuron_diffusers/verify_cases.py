@@ -13,11 +13,13 @@ of the numbers will do. This module supplies the model and the call, from one of
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.utils._pytree import tree_map
 
 from . import tiny
 from .tp_plans import FAMILY_PLANS
@@ -109,20 +111,28 @@ def build_case(model: str, workdir: Path, seed: int = 0) -> Case:
     )
 
 
-def capture_first_call(pipe, call: dict) -> tuple[tuple, dict]:
-    """The (args, kwargs) of the transformer's first call in one real pipeline run: no per-family input recipes."""
+@contextmanager
+def recording_first_call(transformer: torch.nn.Module):
+    """Yields a list that receives the (args, kwargs) of `transformer`'s first call inside the block, cloned, so a
+    pipeline's later in-place updates of its tensors do not reach the recording."""
     captured = []
 
     def hook(module, args, kwargs):
         if not captured:
-            captured.append((args, dict(kwargs)))
+            captured.append(tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x,
+                                     (args, dict(kwargs))))
 
-    handle = pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        with torch.no_grad():
-            pipe(**call)
+        yield captured
     finally:
         handle.remove()
+
+
+def capture_first_call(pipe, call: dict) -> tuple[tuple, dict]:
+    """The (args, kwargs) of the transformer's first call in one real pipeline run: no per-family input recipes."""
+    with recording_first_call(pipe.transformer) as captured, torch.no_grad():
+        pipe(**call)
     return captured[0]
 
 
@@ -131,16 +141,15 @@ def reference_call(checkpoint: Path, family: str, seed: int = 0) -> tuple[tuple,
     predictions."""
     from diffusers import DiffusionPipeline
 
-    height, width = tiny.default_size(family)
-    call = {"prompt": PROMPT, "height": height, "width": width, "generator": torch.Generator().manual_seed(seed)}
+    call = {"prompt": PROMPT, "generator": torch.Generator().manual_seed(seed), **tiny.smallest_call(family)}
     if family == "h3":  # a modular pipeline, loaded per workflow, that makes video with audio
         from .tiny import h3
 
         pipe = h3.load(checkpoint, workflow="t2va")
-        call.update(num_frames=h3.DEFAULT_NUM_FRAMES, num_inference_steps=3, output="videos")
+        call["output"] = "videos"
     else:
         pipe = DiffusionPipeline.from_pretrained(checkpoint)
-        call.update(num_inference_steps=2, output_type="latent")
+        call["output_type"] = "latent"
     args, kwargs = capture_first_call(pipe, call)
     with torch.no_grad():
         return args, kwargs, predictions(pipe.transformer(*args, **kwargs))

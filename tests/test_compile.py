@@ -9,7 +9,6 @@ import pytest
 
 import rank_jobs
 from neuron_diffusers import tiny
-from neuron_diffusers.tiny import h3
 from neuron_diffusers.compile import resolve_backend
 from neuron_diffusers.spawn import run_on_cpu_ranks
 
@@ -21,17 +20,10 @@ WORDS = "red fox snow forest light mountain river cloud".split()
 PROMPTS = [" ".join(WORDS[i % len(WORDS)] for i in range(n)) for n in [1, *range(5, 100, 5)]]
 
 
-def call_kwargs(family):
-    height, width = tiny.default_size(family)
-    if family == "h3":  # two transformer forwards (see tiny/h3.py)
-        return dict(height=height, width=width, num_inference_steps=3, num_frames=h3.DEFAULT_NUM_FRAMES)
-    return dict(height=height, width=width, num_inference_steps=2)
-
-
 @pytest.fixture(scope="module")
 def compile_report(tiny_checkpoint):
     checkpoints = {family: tiny_checkpoint(family) for family in FAMILIES}
-    return run_on_cpu_ranks(rank_jobs.compile_checks, 2, checkpoints, {f: call_kwargs(f) for f in FAMILIES},
+    return run_on_cpu_ranks(rank_jobs.compile_checks, 2, checkpoints, {f: tiny.smallest_call(f) for f in FAMILIES},
                             LOAD_KWARGS, PROMPTS, "aot_eager", timeout_s=900)
 
 
@@ -39,7 +31,7 @@ def compile_report(tiny_checkpoint):
 def inductor_report(tiny_checkpoint):
     """The same on a real compiler backend (C++ codegen on CPU), for one family: FLUX.2, the cheapest to build."""
     return run_on_cpu_ranks(rank_jobs.compile_checks, 2, {"flux2": tiny_checkpoint("flux2")},
-                            {"flux2": call_kwargs("flux2")}, {}, PROMPTS[::4], "inductor", timeout_s=900)
+                            {"flux2": tiny.smallest_call("flux2")}, {}, PROMPTS[::4], "inductor", timeout_s=900)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -116,6 +116,11 @@ def test_odd_size_is_padded_to_even_and_plays(tmp_path):
     assert (decoded[0][:, :33, 31] - frames[0][:, :, 30]).abs().mean() < 8 / 255
 
 
+def test_json_is_written_atomically(tmp_path):
+    path = media.save_json({"images": [{"seed": 3}]}, tmp_path / "summary.json")
+    assert path.read_text().startswith("{\n  \"images\"") and sorted(os.listdir(tmp_path)) == ["summary.json"]
+
+
 def test_video_metadata_travels_in_the_mp4(tmp_path):
     (path,) = save_video(VideoWithAudio(moving_gradient(num_frames=2), fps=2), tmp_path / "clip.mp4",
                          text={"prompt": "a red fox", "seed": "7"})

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from neuron_diffusers.pipelines import adapter_for
-from neuron_diffusers.pipelines.base import component_names
+from neuron_diffusers.checkpoint import component_names
 
 
 def latents_from(pipe, embeds):

@@ -16,13 +16,6 @@ FAMILIES = tiny.FAMILIES
 PROMPT = "a red fox in the snow"
 
 
-def call_kwargs(family):
-    height, width = tiny.default_size(family)
-    if family == "h3":  # `num_inference_steps=3` is two transformer forwards (see tiny/h3.py)
-        return dict(height=height, width=width, num_inference_steps=3, num_frames=h3.DEFAULT_NUM_FRAMES)
-    return dict(height=height, width=width, num_inference_steps=2)
-
-
 def stock_output(checkpoint, family):
     """What the stock pipeline, alone in one process, makes of the same prompt, seed, size and steps."""
     from diffusers import DiffusionPipeline
@@ -32,10 +25,10 @@ def stock_output(checkpoint, family):
         if family == "h3":
             pipe = h3.load(checkpoint, workflow="t2va")
             out = pipe(prompt=PROMPT, generator=generator, output_type="pt", output=["videos", "audio"],
-                       **call_kwargs(family))
+                       **tiny.smallest_call(family))
             return {"frames": out["videos"][0].numpy(), "audio": out["audio"][0].numpy()}
         image = DiffusionPipeline.from_pretrained(checkpoint)(prompt=PROMPT, generator=generator,
-                                                              **call_kwargs(family)).images[0]
+                                                              **tiny.smallest_call(family)).images[0]
     return {"image": np.asarray(image, dtype=np.float32) / 255.0}
 
 
@@ -43,7 +36,7 @@ def stock_output(checkpoint, family):
 def runner_report(tiny_checkpoint):
     checkpoints = {family: tiny_checkpoint(family) for family in FAMILIES}
     reports = run_on_cpu_ranks(rank_jobs.runner_checks, 2, checkpoints,
-                               {family: call_kwargs(family) for family in FAMILIES}, timeout_s=600)
+                               {family: tiny.smallest_call(family) for family in FAMILIES}, timeout_s=600)
     return checkpoints, reports
 
 

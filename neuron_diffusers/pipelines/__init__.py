@@ -6,10 +6,10 @@ be padded to a static length bucket, and which components each rank needs. It ne
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from .base import StockPipelineAdapter
+from ..checkpoint import pipeline_class_name
+from .base import PipelineAdapter, StockPipelineAdapter
 from .flux import FluxAdapter
 from .flux2 import Flux2Adapter
 from .minimax_h3 import MiniMaxH3Adapter
@@ -20,15 +20,6 @@ ADAPTERS = {
     adapter.pipeline_class: adapter
     for adapter in (FluxAdapter, Flux2Adapter, QwenImageAdapter, QwenImage21Adapter, MiniMaxH3Adapter)
 }
-
-
-def pipeline_class_name(checkpoint: Path) -> str:
-    """`_class_name` of `model_index.json`, or `_blocks_class_name` of a modular pipeline's index."""
-    for index_name, key in (("model_index.json", "_class_name"), ("modular_model_index.json", "_blocks_class_name")):
-        index = Path(checkpoint) / index_name
-        if index.is_file():
-            return json.loads(index.read_text()).get(key, "")
-    raise FileNotFoundError(f"{checkpoint} has neither model_index.json nor modular_model_index.json.")
 
 
 def adapter_for(checkpoint: Path):
@@ -43,4 +34,4 @@ def adapter_for(checkpoint: Path):
     return ADAPTERS[name]()
 
 
-__all__ = ["ADAPTERS", "StockPipelineAdapter", "adapter_for", "pipeline_class_name"]
+__all__ = ["ADAPTERS", "PipelineAdapter", "StockPipelineAdapter", "adapter_for", "pipeline_class_name"]

@@ -13,30 +13,26 @@ Each rank builds the pipeline from only the components its role needs:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint import component_class_name, component_names, read_config
 
-class StockPipelineAdapter:
-    """One stock `DiffusionPipeline` family. Subclasses set the class attributes and implement `encode`."""
+
+class PipelineAdapter:
+    """What every family's adapter declares, with the defaults most share. The runner, the job and `compile` read
+    only these and the methods below, whichever kind of pipeline (stock or modular) the adapter drives."""
 
     pipeline_class: str
-    #: Components only the encoding rank loads.
-    text_components: tuple[str, ...]
-    #: Light components the encoder needs and the pipeline's `__init__` reads too, so every rank loads them.
-    shared_components: tuple[str, ...] = ()
     #: Call kwargs that shape both the encoding and the pipeline call (e.g. `max_sequence_length`).
     encode_kwargs: tuple[str, ...] = ()
-    #: Static lengths the text embeddings are padded to, or `()` when the pipeline fixes the length itself
-    #: (FLUX) or padding would change the image (see the subclass).
+    #: Static lengths the text is padded to, or `()` when the pipeline fixes the length itself (FLUX) or padding
+    #: would change the image (see the subclass).
     buckets: tuple[int, ...] = ()
     #: Whether the pipeline takes a negative prompt (true classifier-free guidance).
     takes_negative_prompt: bool = True
-    #: Call kwargs the adapter fixes, whatever the caller passed (see the subclass for why).
-    call_overrides: dict = {}
     #: The call kwarg a job's `--guidance` sets (`None`: guidance-distilled, nothing to set).
     guidance_kwarg: str | None = "guidance_scale"
     #: Whether the pipeline itself fixes the text length (FLUX pads to `max_sequence_length`), so no bucket is needed.
@@ -44,9 +40,43 @@ class StockPipelineAdapter:
     #: Block classes to compile; `None`: all of the transformer's `_repeated_blocks`.
     compiled_blocks: tuple[str, ...] | None = None
 
+    def load_encoder(self, checkpoint: Path, torch_dtype: torch.dtype | None):
+        """The text components, on CPU, ready for `encode` (only the encoding rank calls this)."""
+        raise NotImplementedError
+
+    def load_denoiser(self, checkpoint: Path, transformer, torch_dtype, device: torch.device, decodes: bool):
+        """What every rank runs around `transformer`; the decoder only where it `decodes`."""
+        raise NotImplementedError
+
     def encode(self, encoder, prompt: str, negative_prompt: str | None, **encode_kwargs) -> dict[str, torch.Tensor]:
         """The call kwargs that carry the embeddings of `prompt` (and `negative_prompt`), computed on CPU."""
         raise NotImplementedError
+
+    def pad(self, embeds: dict[str, torch.Tensor], buckets: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+        """`embeds` padded to a length bucket (unchanged by default)."""
+        return embeds
+
+    def size_multiple(self, checkpoint: Path) -> int:
+        """What height and width must be multiples of."""
+        raise NotImplementedError
+
+    def transformer_of(self, pipe) -> torch.nn.Module:
+        return pipe.transformer
+
+    def decoders(self, pipe) -> list[torch.nn.Module]:
+        """The modules whose forwards are the decode (none where this rank does not decode)."""
+        raise NotImplementedError
+
+
+class StockPipelineAdapter(PipelineAdapter):
+    """One stock `DiffusionPipeline` family. Subclasses set the class attributes and implement `encode`."""
+
+    #: Components only the encoding rank loads.
+    text_components: tuple[str, ...]
+    #: Light components the encoder needs and the pipeline's `__init__` reads too, so every rank loads them.
+    shared_components: tuple[str, ...] = ()
+    #: Call kwargs the adapter fixes, whatever the caller passed (see the subclass for why).
+    call_overrides: dict = {}
 
     # -- loading -------------------------------------------------------------------------------------------
 
@@ -81,11 +111,7 @@ class StockPipelineAdapter:
         """As the pipeline's `__init__` computes it (FLUX.1 / FLUX.2: one halving per VAE block after the first)."""
         return 2 ** (len(vae_config["block_out_channels"]) - 1)
 
-    def transformer_of(self, pipe) -> torch.nn.Module:
-        return pipe.transformer
-
     def decoders(self, pipe) -> list[torch.nn.Module]:
-        """The modules whose forwards are the decode (none where this rank does not decode)."""
         return [pipe.vae.decoder] if getattr(pipe, "vae", None) is not None else []
 
     # -- padding -------------------------------------------------------------------------------------------
@@ -147,24 +173,10 @@ def bucket_for(buckets: tuple[int, ...], length: int, owner: str) -> int:
     )
 
 
-def component_names(checkpoint: Path) -> list[str]:
-    """The components a saved pipeline lists in `model_index.json`: `[library, class]` entries, not config values."""
-    index = json.loads((Path(checkpoint) / "model_index.json").read_text())
-    return [name for name, entry in index.items() if not name.startswith("_") and isinstance(entry, list)]
-
-
-def read_config(checkpoint: Path, component: str) -> dict:
-    return json.loads((Path(checkpoint) / component / "config.json").read_text())
-
-
 def model_on_meta(checkpoint: Path, name: str):
     """Component `name` of the checkpoint built from its config on the meta device: its shape, none of its weights."""
     import diffusers
 
-    for index_name in ("model_index.json", "modular_model_index.json"):
-        index = Path(checkpoint) / index_name
-        if index.is_file():
-            model_cls = getattr(diffusers, json.loads(index.read_text())[name][1])
-            with torch.device("meta"):
-                return model_cls.from_config(model_cls.load_config(checkpoint, subfolder=name))
-    raise FileNotFoundError(f"{checkpoint} has neither model_index.json nor modular_model_index.json.")
+    model_cls = getattr(diffusers, component_class_name(checkpoint, name))
+    with torch.device("meta"):
+        return model_cls.from_config(model_cls.load_config(checkpoint, subfolder=name))

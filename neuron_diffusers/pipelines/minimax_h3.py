@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from ..media import VideoWithAudio
-from .base import bucket_for, model_on_meta, read_config
+from ..checkpoint import read_config
+from .base import PipelineAdapter, bucket_for, model_on_meta
 
 WORKFLOW = "t2va"
 _TEXT_TAG = 1  # `MINIMAX_H3_TEXT_TAG`: the modality tag the padding rows carry (any valid tag would do)
@@ -78,18 +79,16 @@ class PackedSequencePadding:
         return args, {**kwargs, "attention_mask": self._key_mask}
 
 
-class MiniMaxH3Adapter:
+class MiniMaxH3Adapter(PipelineAdapter):
     pipeline_class = "MiniMaxH3Blocks"
-    encode_kwargs: tuple[str, ...] = ()
-    buckets: tuple[int, ...] = (64, 128, 256, 512, 1024)
+    buckets = (64, 128, 256, 512, 1024)  # rows of the packed sequence, see `PackedSequencePadding`
     takes_negative_prompt = False
-    static_text_length = False
     guidance_kwarg = None  # guidance-distilled
     #: The main blocks run on the padded packed sequence; the token refiner sees the prompt's own length.
     compiled_blocks = ("MiniMaxH3TransformerBlock",)
 
     def load_encoder(self, checkpoint: Path, torch_dtype):
-        return _load(_sub_pipeline(checkpoint, "text_encoder"), torch_dtype)
+        return _load(_sub_pipeline(checkpoint, "text_encoder"), checkpoint, torch_dtype)
 
     def load_denoiser(self, checkpoint: Path, transformer, torch_dtype, device: torch.device, decodes: bool):
         denoiser = _sub_pipeline(checkpoint, "denoise")
@@ -103,7 +102,7 @@ class MiniMaxH3Adapter:
         denoiser.sequence_padding = PackedSequencePadding(transformer)
         decoder = None
         if decodes:
-            decoder = _load(_sub_pipeline(checkpoint, "decode"), torch_dtype)
+            decoder = _load(_sub_pipeline(checkpoint, "decode"), checkpoint, torch_dtype)
             decoder.to(device)
         return H3Pipelines(denoiser, decoder)
 
@@ -123,9 +122,6 @@ class MiniMaxH3Adapter:
 
     def encode(self, encoder, prompt: str, negative_prompt: str | None) -> dict[str, torch.Tensor]:
         return encoder(prompt=prompt, output=["prompt_embeds", "text_token_tags"])
-
-    def pad(self, embeds: dict[str, torch.Tensor], buckets=None) -> dict[str, torch.Tensor]:
-        return embeds
 
     def __call__(self, pipes: H3Pipelines, embeds, *, generator, decodes: bool, check, buckets=(), **kwargs):
         """Denoise on every rank (packed sequence padded to `buckets`); decode video and audio on the decoding rank."""
@@ -157,11 +153,20 @@ def _sub_pipeline(checkpoint: Path, prefix: str):
     return SequentialPipelineBlocks.from_blocks_dict(chosen).init_pipeline(str(checkpoint))
 
 
-def _load(pipe, torch_dtype):
-    """Load every component of `pipe`, raising for any that did not load (stock only logs a warning)."""
-    pipe.load_components(**({} if torch_dtype is None else {"dtype": torch_dtype}))
-    if pipe.null_component_names:
+def load_every_component(pipe, source, **load_kwargs):
+    """`pipe.load_components(**load_kwargs)`, raising for any component that did not load.
+
+    Stock `load_components` only logs a warning for a component that fails, leaving it `None` until a block trips
+    over it.
+    """
+    pipe.load_components(**load_kwargs)
+    missing = pipe.null_component_names
+    if missing:
         raise RuntimeError(
-            f"MiniMax-H3 components {', '.join(pipe.null_component_names)} did not load; see the warnings above."
+            f"MiniMax-H3 at {source} did not load {', '.join(missing)}; see the warnings logged above for each failure."
         )
     return pipe
+
+
+def _load(pipe, checkpoint: Path, torch_dtype):
+    return load_every_component(pipe, checkpoint, **({} if torch_dtype is None else {"dtype": torch_dtype}))

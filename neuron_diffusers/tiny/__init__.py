@@ -30,6 +30,15 @@ def default_size(family: str) -> tuple[int, int]:
     return _family_module(family).DEFAULT_SIZE
 
 
+def smallest_call(family: str) -> dict:
+    """Size and steps of the quickest generation that still exercises every step kind: two transformer forwards
+    (MiniMax-H3's scheduler counts the terminal sigma, so that is `num_inference_steps=3`, at its default clip)."""
+    height, width = default_size(family)
+    if family == "h3":
+        return dict(height=height, width=width, num_inference_steps=3, num_frames=_family_module(family).DEFAULT_NUM_FRAMES)
+    return dict(height=height, width=width, num_inference_steps=2)
+
+
 def build_tiny(family: str, path: str | os.PathLike, seed: int = 0) -> Path:
     """Build `family`'s tiny pipeline into `path`, which must not exist or be empty.
 

@@ -176,16 +176,10 @@ def build(path: str | os.PathLike, seed: int = 0) -> None:
 def load(path: str | os.PathLike, **kwargs) -> ModularPipeline:
     """`ModularPipeline.from_pretrained(path)` + `load_components(**kwargs)`, raising if any component did not load.
 
-    Stock `load_components` only logs a warning for a component that fails, leaving it `None` until a block trips
-    over it. A `workflow` kwarg (`"t2va"`, `"fl2va"`, `"ref2va"`) is given to `from_pretrained` instead, which prunes
-    the blocks to that workflow so that only its components are expected and loaded.
+    A `workflow` kwarg (`"t2va"`, `"fl2va"`, `"ref2va"`) is given to `from_pretrained` instead, which prunes the
+    blocks to that workflow so that only its components are expected and loaded.
     """
+    from ..pipelines.minimax_h3 import load_every_component
+
     pipe = ModularPipeline.from_pretrained(os.fspath(path), workflow=kwargs.pop("workflow", None))
-    pipe.load_components(**kwargs)
-    missing = pipe.null_component_names
-    if missing:
-        raise RuntimeError(
-            f"The tiny MiniMax-H3 checkpoint at {path} did not load {', '.join(missing)}; "
-            "see the warnings logged above for each failure."
-        )
-    return pipe
+    return load_every_component(pipe, path, **kwargs)
