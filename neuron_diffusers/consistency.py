@@ -3,7 +3,9 @@
 Tensor parallelism assumes every rank of the group holds the same activations; ranks that start from different
 noise still run without error, and the all-reduces blend their images into a plausible-looking wrong one
 (measured: up to 0.99 pixel difference). Comparing a three-number checksum of the latents across the group costs
-one tiny all-gather, so it runs at the first and last step by default and every `every` steps on request.
+one tiny all-gather, so it runs at the first and last step by default and every `every` steps on request. With CFG
+parallelism the two TP groups of a CFG pair must hold the same latents too (each computes one guidance branch of the
+same image), so the pair is compared as well.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch.distributed as dist
 
 
 class LatentsDivergedError(RuntimeError):
-    """Ranks of one tensor-parallel group hold different latents."""
+    """Ranks of one tensor-parallel group (or of one CFG pair) hold different latents."""
 
 
 def checksum(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -36,31 +38,33 @@ class LatentAgreement:
     float32 additions, while different noise moves them by a large fraction.
     """
 
-    def __init__(self, group, every: int | None = None, rtol: float = 1e-4):
-        self.group = group
+    def __init__(self, group, every: int | None = None, rtol: float = 1e-4, cfg_group=None):
+        self.groups = [(group, "tensor-parallel group")] + ([(cfg_group, "CFG pair")] if cfg_group is not None else [])
         self.every = every
         self.rtol = rtol
         self._calls = 0
 
     def check(self, tensors: list[torch.Tensor], where: str) -> None:
-        size = dist.get_world_size(self.group)
-        if size == 1:
-            return
-        local = checksum(tensors)
-        gathered = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(gathered, local, group=self.group)
-        reference = gathered[0]
-        scale = self.rtol * reference[1].abs().clamp_min(1.0)
-        for index, other in enumerate(gathered[1:], start=1):
-            if ((other - reference).abs() > scale).any():
-                raise LatentsDivergedError(
-                    f"Latents differ across the tensor-parallel group at {where}: rank "
-                    f"{dist.get_global_rank(self.group, index)} holds latents with checksum {other.tolist()}, rank "
-                    f"{dist.get_global_rank(self.group, 0)} holds {reference.tolist()}. Every rank of a TP group must "
-                    "denoise the same noise, otherwise the image comes out silently wrong. Give every rank the same "
-                    "`seed` (`generate` seeds a CPU generator with seed + index) and do not pass per-rank "
-                    "`generator` or `latents`."
-                )
+        local = None
+        for group, name in self.groups:
+            size = dist.get_world_size(group)
+            if size == 1:
+                continue
+            local = checksum(tensors) if local is None else local
+            gathered = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(gathered, local, group=group)
+            reference = gathered[0]
+            scale = self.rtol * reference[1].abs().clamp_min(1.0)
+            for index, other in enumerate(gathered[1:], start=1):
+                if ((other - reference).abs() > scale).any():
+                    raise LatentsDivergedError(
+                        f"Latents differ across the {name} at {where}: rank "
+                        f"{dist.get_global_rank(group, index)} holds latents with checksum {other.tolist()}, rank "
+                        f"{dist.get_global_rank(group, 0)} holds {reference.tolist()}. Every rank of a {name} must "
+                        "denoise the same noise, otherwise the image comes out silently wrong. Give every rank the "
+                        "same `seed` (`generate` seeds a CPU generator with seed + index) and do not pass per-rank "
+                        "`generator` or `latents`."
+                    )
 
     def _due(self, step: int, last: bool) -> bool:
         return step == 0 or last or bool(self.every and step % self.every == 0)

@@ -1,7 +1,10 @@
-"""Process-group start-up from the torchrun environment, and the ("dp", "tp") device mesh.
+"""Process-group start-up from the torchrun environment, and the ("dp", "tp") or ("dp", "cfg", "tp") device mesh.
 
 One function, `init_distributed`, serves a plain `python` process (world size 1) and every rank of
 `torchrun --nproc_per_node=N [--nnodes=M]` alike, so a script written for N ranks also runs alone.
+
+A *replica* is the set of ranks that shares one `dp` coordinate: one TP group, or with `cfg=2` a CFG pair of TP
+groups that compute the two branches of true classifier-free guidance side by side (see `cfg_parallel.py`).
 """
 
 from __future__ import annotations
@@ -77,15 +80,36 @@ def check_tp_degree(tp: int, world_size: int) -> None:
         )
 
 
-def init_distributed(tp: int | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
-    """Join (or start) the process group and return a 2-D mesh with dims ("dp", "tp").
+def check_cfg_degree(cfg: int, tp: int, world_size: int) -> None:
+    """Reject a CFG degree other than 1 or 2, or a world that CFG pairs of TP groups cannot tile."""
+    if cfg not in (1, 2):
+        raise ValueError(
+            f"cfg={cfg}: CFG parallelism splits the two branches of classifier-free guidance (cond, uncond), so the "
+            "cfg degree is 2 (on) or 1 (off)."
+        )
+    if tp >= 1 and world_size % (cfg * tp) != 0:
+        valid = [d for d in divisors(world_size) if world_size % (cfg * d) == 0]
+        raise ValueError(
+            f"--cfg-parallel with --tp {tp} needs a multiple of {cfg} x {tp} = {cfg * tp} ranks (one TP group per "
+            f"guidance branch), but {world_size} rank(s) were launched. "
+            + (f"Valid --tp values for {world_size} rank(s): {valid}. " if valid else "")
+            + f"Change --tp, or launch a multiple of {cfg * tp} ranks."
+        )
 
-    `tp` defaults to the world size (one tensor-parallel group); `dp = world // tp` groups then run
-    independent work. `timeout_s` bounds every collective, so a dead rank makes the others fail with
-    an error instead of hanging forever. Calling it again returns a mesh over the existing group.
+
+def init_distributed(tp: int | None = None, *, cfg: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
+    """Join (or start) the process group and return a mesh with dims ("dp", "tp"), or ("dp", "cfg", "tp") for `cfg=2`.
+
+    `tp` defaults to the world size divided by `cfg` (one replica); `dp = world // (cfg * tp)` replicas then run
+    independent work. With `cfg=2` each replica is a pair of TP groups that computes the cond and uncond branches
+    of true classifier-free guidance at the same time (`load_pipeline(...).generate` does it for you); `cfg=1`
+    keeps the 2-D mesh, so code written for it is unchanged. `timeout_s` bounds every collective, so a dead rank
+    makes the others fail with an error instead of hanging forever. Calling it again returns a mesh over the
+    existing group.
     """
     runtime = detect_runtime()
-    tp = runtime.world_size if tp is None else tp
+    tp = max(runtime.world_size // cfg, 1) if tp is None else tp
+    check_cfg_degree(cfg, tp, runtime.world_size)
     check_tp_degree(tp, runtime.world_size)
 
     if runtime.device_type != "cpu":
@@ -99,8 +123,10 @@ def init_distributed(tp: int | None = None, *, timeout_s: float = DEFAULT_TIMEOU
             )
         else:
             dist.init_process_group(runtime.backend, timeout=timeout)
+    if cfg == 1:
+        return init_device_mesh(runtime.device_type, (runtime.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
     return init_device_mesh(
-        runtime.device_type, (runtime.world_size // tp, tp), mesh_dim_names=("dp", "tp")
+        runtime.device_type, (runtime.world_size // (cfg * tp), cfg, tp), mesh_dim_names=("dp", "cfg", "tp")
     )
 
 
@@ -117,6 +143,36 @@ def is_main_process() -> bool:
 def is_tp_leader(mesh: DeviceMesh) -> bool:
     """Rank 0 of this process's TP group: the one that encodes, decodes and saves for the group."""
     return mesh["tp"].get_local_rank() == 0
+
+
+def cfg_size(mesh: DeviceMesh) -> int:
+    """2 on a ("dp", "cfg", "tp") mesh with CFG pairs, else 1."""
+    return mesh["cfg"].size() if "cfg" in (mesh.mesh_dim_names or ()) else 1
+
+
+def cfg_rank(mesh: DeviceMesh) -> int:
+    """Which TP group of its CFG pair this rank belongs to (0 without a cfg dimension): 0 computes cond, 1 uncond."""
+    return mesh["cfg"].get_local_rank() if cfg_size(mesh) > 1 else 0
+
+
+def is_replica_leader(mesh: DeviceMesh) -> bool:
+    """The TP leader of CFG rank 0: the one rank of its replica that `generate` returns outputs on."""
+    return is_tp_leader(mesh) and cfg_rank(mesh) == 0
+
+
+def broadcast_object_from_replica_leader(obj, mesh: DeviceMesh):
+    """The replica leader's `obj` on every rank of its replica: over its TP group, then to each CFG partner.
+
+    Two hops over the mesh's own groups, so no group spanning a whole replica has to be created.
+    """
+    box = [obj]
+    if cfg_rank(mesh) == 0:
+        tp_group = mesh["tp"].get_group()
+        dist.broadcast_object_list(box, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+    if cfg_size(mesh) > 1:
+        cfg_group = mesh["cfg"].get_group()
+        dist.broadcast_object_list(box, src=dist.get_global_rank(cfg_group, 0), group=cfg_group)
+    return box[0]
 
 
 def broadcast_from_leader(tensors: dict[str, torch.Tensor] | None, group, device: torch.device) -> dict[str, torch.Tensor]:

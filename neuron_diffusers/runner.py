@@ -4,22 +4,30 @@ The one data path, per TP group: resolve the checkpoint → read its config (all
 weight is read) → stream each rank's transformer slice → the leader (TP rank 0) loads the text encoder on CPU,
 encodes each prompt once and broadcasts the embeddings → every rank denoises the same CPU-seeded noise with the
 stock pipeline, checking that the group's latents agree → the leader decodes and returns the image.
+
+On a ("dp", "cfg", "tp") mesh (`init_distributed(cfg=2)`) each replica is a CFG pair of TP groups. A call with true
+classifier-free guidance runs each image on both groups, one guidance branch each (`cfg_parallel.py`); a call
+without it gives each group its own images, so the second group is extra data parallelism instead of idle.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import tiny
 from .checkpoint import component_class_name, read_config
+from .cfg_parallel import cfg_parallel_transformer, swap_branches
 from .consistency import LatentAgreement
-from .distributed import broadcast_from_leader, init_distributed, is_tp_leader, rank
+from .distributed import (broadcast_from_leader, cfg_rank, cfg_size, init_distributed, is_replica_leader, is_tp_leader,
+                          rank)
 from .integration import check_heads_divisible, mesh_device
 from .pipelines import adapter_for
 from .timing import PhaseTimes
@@ -84,7 +92,8 @@ class TPPipeline:
     """A stock diffusers pipeline whose transformer is sharded over `mesh["tp"]`.
 
     `encoder` (the text components, on CPU) exists only on the TP group's leader; `pipe` (transformer, scheduler,
-    and the VAE on the leader) on every rank.
+    and the VAE on the leader) on every rank. On a mesh with a `cfg` dimension every TP group of a CFG pair has its
+    own leader with its own encoder and VAE, so either group can also serve requests alone.
     """
 
     adapter: object
@@ -111,34 +120,67 @@ class TPPipeline:
         seed: int = 0,
         negative_prompt: str | list[str] | None = None,
         check_latents_every: int | None = None,
+        alone: bool = False,
         **pipeline_kwargs,
     ) -> list | None:
-        """One image (H3: a `VideoWithAudio`) per prompt, on the TP group's leader; `None` on its other ranks.
+        """One image (H3: a `VideoWithAudio`) per prompt, on one rank of the replica; `None` on its other ranks.
 
-        Every rank of the group must call this with the same arguments. Image `i` is denoised from a CPU generator
+        Every rank of the replica must call this with the same arguments. Image `i` is denoised from a CPU generator
         seeded with `seed + i`, identical on every rank whatever its device; the group's latents are compared at
         the first and last step (and every `check_latents_every` steps), raising `LatentsDivergedError` on every
         rank if they differ. `pipeline_kwargs` go to the stock pipeline call (height, width, num_inference_steps,
         guidance_scale, true_cfg_scale, ...).
+
+        On a mesh with a `cfg` dimension (CFG pairs of TP groups), the images come back on the pair's leader (TP
+        leader of CFG rank 0). With true CFG (a negative prompt and a `true_cfg_scale` above 1) both groups denoise
+        each image, one guidance branch each, so each rank runs half the transformer forwards. Without it, image `i`
+        is made by group `i % 2` alone: the second group is data parallelism, not a copy of the first.
+        `alone=True` leaves the CFG partner out: this TP group makes every image itself (true CFG then runs
+        serially) and its leader returns them; the partner must not make the same call (the job uses this to give
+        each group of a pair its own requests).
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         negatives = self._negatives(negative_prompt, len(prompts))
         for name, why in _OWNED_KWARGS.items():
             if name in pipeline_kwargs:
                 raise ValueError(f"`generate` does not take `{name}`: {why}.")
+        pair = cfg_size(self.mesh) > 1 and not alone
+        joint = pair and self.adapter.uses_true_cfg(negatives[0], pipeline_kwargs)
+        if joint:
+            _check_cfg_parallel_kwargs(pipeline_kwargs)
+        mine = range(len(prompts)) if joint or not pair else range(cfg_rank(self.mesh), len(prompts), 2)
         encode_kwargs = {k: pipeline_kwargs[k] for k in self.adapter.encode_kwargs if k in pipeline_kwargs}
-        outputs = []
-        for index, (prompt, negative) in enumerate(zip(prompts, negatives)):
+        outputs = {}
+        for index in mine:
             with self.times.phase("encode"):
-                embeds = self._encode(prompt, negative, encode_kwargs)
-            generator = torch.Generator("cpu").manual_seed(seed + index)
-            check = LatentAgreement(self.mesh["tp"].get_group(), every=check_latents_every)
-            with torch.no_grad(), self.times.phase("denoise + decode"):
-                outputs.append(
-                    self.adapter(self.pipe, embeds, generator=generator, decodes=self.is_leader, check=check,
-                                 buckets=self.buckets, **pipeline_kwargs)
-                )
-        return outputs if self.is_leader else None
+                embeds = self._encode(prompts[index], negatives[index], encode_kwargs)
+            outputs[index] = self._denoise(embeds, seed + index, joint, check_latents_every, pipeline_kwargs)
+        if not pair:
+            return [outputs[i] for i in range(len(prompts))] if self.is_leader else None
+        return self._collect_pair(outputs, len(prompts), joint)
+
+    def _denoise(self, embeds: dict, seed: int, joint: bool, check_latents_every: int | None, pipeline_kwargs: dict):
+        """One stock pipeline call; with `joint`, the transformer computes only this rank's guidance branch."""
+        branch = cfg_rank(self.mesh) if joint else 0
+        cfg_group = self.mesh["cfg"].get_group() if joint else None
+        generator = torch.Generator("cpu").manual_seed(seed)
+        check = LatentAgreement(self.mesh["tp"].get_group(), every=check_latents_every, cfg_group=cfg_group)
+        proxy = cfg_parallel_transformer(self.pipe, cfg_group) if joint else nullcontext()
+        with torch.no_grad(), self.times.phase("denoise + decode"), proxy:
+            # CFG rank 1 gets prompt and negative swapped: its pipeline derives the uncond inputs for the cond call.
+            return self.adapter(self.pipe, swap_branches(embeds) if branch else embeds, generator=generator,
+                                decodes=self.is_leader and branch == 0, check=check, buckets=self.buckets,
+                                **pipeline_kwargs)
+
+    def _collect_pair(self, outputs: dict, count: int, joint: bool) -> list | None:
+        """Every image of the call, in order, on the pair's leader (the other group's leader sends its share)."""
+        if not self.is_leader:
+            return None
+        if not joint:
+            shares = [None, None] if cfg_rank(self.mesh) == 0 else None
+            dist.gather_object(outputs, shares, group=self.mesh["cfg"].get_group(), group_dst=0)
+            outputs = {} if shares is None else {**shares[0], **shares[1]}
+        return [outputs[i] for i in range(count)] if is_replica_leader(self.mesh) else None
 
     def _negatives(self, negative_prompt, count: int) -> list:
         if negative_prompt is None:
@@ -153,7 +195,14 @@ class TPPipeline:
         return negatives
 
     def _encode(self, prompt: str, negative: str | None, encode_kwargs: dict) -> dict[str, torch.Tensor]:
-        """Encode on the leader's CPU, pad to a length bucket, and broadcast to the group on its device."""
+        """Encode on the leader's CPU, pad to a length bucket, and broadcast to the group on its device.
+
+        With CFG pairs each TP group's leader encodes prompt and negative itself, rather than one leader encoding
+        for the pair: the two leaders encode at the same time (no wall time lost), no embeddings cross between
+        groups, and each group stays self-sufficient, so the same ranks serve as plain data parallelism for requests
+        without true CFG. Both leaders need both texts anyway: the second group's pipeline computes uncond at its
+        cond call and checks, at its uncond call, that the cond branch its partner computed was the right one.
+        """
         embeds = None
         if self.is_leader:
             with torch.no_grad():
@@ -161,6 +210,17 @@ class TPPipeline:
                                           self.buckets)
         tp_mesh = self.mesh["tp"]
         return broadcast_from_leader(embeds, tp_mesh.get_group(), mesh_device(tp_mesh))
+
+
+def _check_cfg_parallel_kwargs(pipeline_kwargs: dict) -> None:
+    """Refuse what CFG parallelism cannot split, before any step runs."""
+    adapter_kwargs = sorted(name for name in pipeline_kwargs if "ip_adapter" in name)
+    if adapter_kwargs:
+        raise ValueError(
+            f"CFG parallelism does not run FLUX's IP-Adapter ({', '.join(adapter_kwargs)}): stock FluxPipeline swaps "
+            "each branch's image embeddings into one shared `joint_attention_kwargs` between its cond and uncond "
+            "calls. Generate these images on a mesh without a `cfg` dimension (or pass `alone=True`)."
+        )
 
 
 def load_pipeline(
@@ -173,7 +233,8 @@ def load_pipeline(
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over `mesh["tp"]`.
 
     `mesh` defaults to `init_distributed()` (all ranks in one TP group). Only the TP group's leader loads the text
-    encoder (on CPU) and the VAE. `buckets` overrides the family's static text lengths (`()` turns padding off).
+    encoder (on CPU) and the VAE; on a ("dp", "cfg", "tp") mesh each TP group of a CFG pair has its own leader, so
+    the pair can split requests that do not use true CFG (a ("dp", "tp") mesh of the same size loads the same). `buckets` overrides the family's static text lengths (`()` turns padding off).
     """
     from diffusers import TensorParallelConfig
 

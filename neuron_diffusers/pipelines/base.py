@@ -13,6 +13,7 @@ Each rank builds the pipeline from only the components its role needs:
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -67,6 +68,11 @@ class PipelineAdapter:
         """The modules whose forwards are the decode (none where this rank does not decode)."""
         raise NotImplementedError
 
+    def uses_true_cfg(self, negative_prompt: str | None, call_kwargs: dict) -> bool:
+        """Whether a call calls the transformer twice per step (cond, uncond): a negative prompt and a
+        `true_cfg_scale` above 1 (guidance-distilled families never do)."""
+        return False
+
 
 class StockPipelineAdapter(PipelineAdapter):
     """One stock `DiffusionPipeline` family. Subclasses set the class attributes and implement `encode`."""
@@ -113,6 +119,14 @@ class StockPipelineAdapter(PipelineAdapter):
 
     def decoders(self, pipe) -> list[torch.nn.Module]:
         return [pipe.vae.decoder] if getattr(pipe, "vae", None) is not None else []
+
+    def uses_true_cfg(self, negative_prompt: str | None, call_kwargs: dict) -> bool:
+        """The stock rule (`do_true_cfg = true_cfg_scale > 1 and has_neg_prompt`), with the pipeline's own default
+        scale when the call does not set one (Qwen-Image: 4.0; Qwen-Image-2.1 and FLUX.1: 1.0)."""
+        if negative_prompt is None or not self.takes_negative_prompt:
+            return False
+        default = inspect.signature(self.pipeline_cls().__call__).parameters["true_cfg_scale"].default
+        return call_kwargs.get("true_cfg_scale", default) > 1
 
     # -- padding -------------------------------------------------------------------------------------------
 
