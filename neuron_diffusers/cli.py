@@ -48,7 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--guidance", type=float, default=None,
                      help="guidance scale (FLUX: guidance_scale; Qwen-Image / 2.1: true_cfg_scale)")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--tp", type=_positive, default=None, help="tensor-parallel degree (default: all ranks)")
+    gen.add_argument("--tp", type=_positive, default=None,
+                     help="tensor-parallel degree (default: all ranks; with --cfg-parallel half of them)")
+    gen.add_argument("--cfg-parallel", action="store_true",
+                     help="true CFG (negative prompt, scale > 1): compute cond and uncond on two TP groups at once; "
+                          "needs a multiple of 2 x tp ranks. Requests without true CFG use the pairs as data parallelism")
+    gen.add_argument("--true-cfg-scale", type=float, default=None,
+                     help="FLUX.1's true CFG scale (with --negative-prompt); Qwen-Image / 2.1 take it from --guidance")
     gen.add_argument("--height", type=_positive, default=None)
     gen.add_argument("--width", type=_positive, default=None)
     gen.add_argument("--steps", type=_positive, default=4)
@@ -96,6 +102,9 @@ def _generate(args) -> int:
     # Every check runs here, before the process group starts or any weight is read. Every rank resolves the
     # model itself: a tiny family is built into the cache by whichever rank renames its build into place first.
     plan = plan_job(args, runtime.world_size, runtime.device_type)
+    if runtime.rank == 0:
+        for note in plan.notes:
+            print(f"neuron-diffusers generate: note: {note}", file=sys.stderr, flush=True)
     try:
         summary = run_job(plan, overwrite=args.overwrite, compile_backend=args.compile, warm=args.warmup,
                           timeout_s=args.timeout)
@@ -110,7 +119,8 @@ def _generate(args) -> int:
         if summary["compile"]:
             print(f"compile report: {json.dumps({k: v for k, v in summary['compile'].items() if k != 'recompile_reasons'})}")
         print(f"wrote {summary['generated']} of {summary['requests']} to {plan.out_dir} "
-              f"(tp={plan.tp}, dp={plan.world_size // plan.tp}, {plan.dtype}); summary.json", flush=True)
+              f"(tp={plan.tp}, cfg={plan.cfg}, dp={plan.world_size // (plan.tp * plan.cfg)}, {plan.dtype}); "
+              "summary.json", flush=True)
     dist.destroy_process_group()
     return 0
 

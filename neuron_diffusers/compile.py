@@ -135,6 +135,8 @@ def warmup(pipe, sizes: list[tuple[int, int]], buckets: tuple[int, ...] | None =
     None for no guard) and is returned.
     """
     generate_kwargs.setdefault("num_inference_steps", 2)
+    # Every TP group compiles its own blocks, so each warms up alone: a CFG pair would split the one warm-up prompt.
+    generate_kwargs.setdefault("alone", True)
     buckets = pipe.buckets if buckets is None else tuple(buckets)
     _allow_graphs(len(sizes) * max(len(buckets), 1) * GRAPHS_PER_SHAPE)
     declared = pipe.buckets

@@ -1,9 +1,14 @@
 """The generation job: many prompts over a ("dp", "tp") mesh, resumable, each output traceable to its settings.
 
 Every check of the user's input happens in `plan_job`, before the process group starts or any weight is read.
-`run_job` then splits the requests over the data-parallel TP groups (every core busy), skips outputs that already
+`run_job` then splits the requests over the data-parallel replicas (every core busy), skips outputs that already
 exist (a rerun after a crash resumes), writes each output atomically with its settings in the PNG's text chunks,
 and has rank 0 write `summary.json` (per-image seconds, per-phase timings, the compile report, the mesh).
+
+With `--cfg-parallel` a replica is a CFG pair of TP groups (a ("dp", "cfg", "tp") mesh): a request with true CFG
+runs on both groups, one guidance branch each; the requests without it alternate between the two groups, so no
+group idles. A job none of whose requests uses true CFG (no negative prompt, a scale of at most 1, or a
+guidance-distilled family) needs no pairs: it runs on the ("dp", "tp") mesh, the cfg ranks as data parallelism.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from . import __version__, tiny
 from .pipelines import adapter_for
 
-JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance"}
+JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,8 @@ class Request:
     width: int
     steps: int
     guidance: float | None
+    #: FLUX.1's true-CFG scale (its `guidance` is the distilled `guidance_scale`); Qwen-Image's is `guidance`.
+    true_cfg_scale: float | None = None
 
     def file_name(self, suffix: str) -> str:
         """`00007-a-red-fox-in-the-snow.png`: sortable, and readable without opening the file."""
@@ -55,11 +62,18 @@ class JobPlan:
     world_size: int
     dtype: str
     settings: dict = field(default_factory=dict)
+    #: 2: replicas are CFG pairs of TP groups (`--cfg-parallel` and some request uses true CFG); else 1.
+    cfg: int = 1
+    #: Indexes of the requests that use true CFG (two transformer calls per step).
+    true_cfg: frozenset = frozenset()
+    #: What rank 0 tells the user before the run (e.g. why `--cfg-parallel` fell back to data parallelism).
+    notes: list = field(default_factory=list)
 
 
 def read_prompt_file(path: Path) -> list[dict]:
     """`.txt`: one prompt a line (blank lines skipped). `.jsonl`: one object a line with `prompt` and optional
-    `negative_prompt`, `seed`, `height`, `width`, `steps`, `guidance`. Errors name the file and line."""
+    `negative_prompt`, `seed`, `height`, `width`, `steps`, `guidance`, `true_cfg_scale`. Errors name the file and
+    line."""
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"--prompts {path}: use a .txt file (one prompt a line) or a .jsonl file (one JSON object "
                          "a line, with a 'prompt' key).")
@@ -98,16 +112,21 @@ def _int(entry: dict, key: str, default, minimum: int = 0):
     return value
 
 
+def _number(entry: dict, key: str, default):
+    value = entry.get(key, default)
+    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+        raise ValueError(f"{entry['_where']}: '{key}' must be a number, got {value!r}.")
+    return value
+
+
 def build_requests(entries: list[dict], *, seed: int, height: int, width: int, steps: int,
-                   guidance: float | None, negative_prompt: str | None, multiple: int) -> list[Request]:
+                   guidance: float | None, negative_prompt: str | None, multiple: int,
+                   true_cfg_scale: float | None = None) -> list[Request]:
     """Requests with the command line's settings as defaults; image `i` without its own seed uses `seed + i`."""
     requests = []
     for index, entry in enumerate(entries):
         if not entry["prompt"].strip():
             raise ValueError(f"{entry['_where']}: the prompt is empty. Give the text to generate from.")
-        guidance_value = entry.get("guidance", guidance)
-        if guidance_value is not None and not isinstance(guidance_value, (int, float)):
-            raise ValueError(f"{entry['_where']}: 'guidance' must be a number, got {guidance_value!r}.")
         request = Request(
             index=index,
             prompt=entry["prompt"],
@@ -116,7 +135,8 @@ def build_requests(entries: list[dict], *, seed: int, height: int, width: int, s
             height=_int(entry, "height", height, 1),
             width=_int(entry, "width", width, 1),
             steps=_int(entry, "steps", steps, 1),
-            guidance=guidance_value,
+            guidance=_number(entry, "guidance", guidance),
+            true_cfg_scale=_number(entry, "true_cfg_scale", true_cfg_scale),
         )
         if request.height % multiple or request.width % multiple:
             raise ValueError(
@@ -147,7 +167,7 @@ def check_safetensors(checkpoint: Path) -> None:
         )
 
 
-def settings_text(request: Request, plan: JobPlan, dp: int) -> dict[str, str]:
+def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dict[str, str]:
     """The PNG text chunks (MP4 metadata for video): enough to regenerate the output."""
     values = {
         "prompt": request.prompt,
@@ -156,9 +176,11 @@ def settings_text(request: Request, plan: JobPlan, dp: int) -> dict[str, str]:
         "steps": request.steps,
         "size": f"{request.width}x{request.height}",
         "guidance": "" if request.guidance is None else request.guidance,
+        "true_cfg_scale": "" if request.true_cfg_scale is None else request.true_cfg_scale,
         "model": plan.settings.get("model", str(plan.checkpoint)),
         "tp": plan.tp,
         "dp": dp,
+        "cfg": cfg,
         "dtype": plan.dtype,
         "neuron_diffusers": __version__,
     }
@@ -168,7 +190,7 @@ def settings_text(request: Request, plan: JobPlan, dp: int) -> dict[str, str]:
 def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     """Resolve and check everything a run needs, reading no weight and starting no process group."""
     from .compile import resolve_backend
-    from .distributed import check_tp_degree
+    from .distributed import check_cfg_degree, check_tp_degree
     from .runner import check_heads, resolve_model
 
     if args.warmup and not args.compile:
@@ -180,7 +202,9 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     entries = ([{"prompt": args.prompt, "_where": "--prompt"}] if args.prompts is None
                else read_prompt_file(args.prompts))
     check_out_dir(args.out)
-    tp = args.tp or world_size
+    pairs = 2 if args.cfg_parallel else 1
+    tp = args.tp or max(world_size // pairs, 1)
+    check_cfg_degree(pairs, tp, world_size)
     check_tp_degree(tp, world_size)
     checkpoint = resolve_model(args.model)
     check_safetensors(checkpoint)
@@ -190,46 +214,82 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")
     if args.guidance is not None and adapter.guidance_kwarg is None:
         raise ValueError(f"{adapter.pipeline_class} is guidance-distilled: drop --guidance.")
+    if args.true_cfg_scale is not None and not adapter.takes_negative_prompt:
+        raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and has no true CFG: drop --true-cfg-scale.")
+    if args.true_cfg_scale is not None and adapter.guidance_kwarg == "true_cfg_scale":
+        raise ValueError(f"For {adapter.pipeline_class}, --guidance sets true_cfg_scale: use --guidance "
+                         f"{args.true_cfg_scale:g} instead of --true-cfg-scale.")
     family = args.model if args.model in tiny.FAMILIES else None
     default_height, default_width = tiny.default_size(family) if family else (1024, 1024)
     requests = build_requests(
         entries, seed=args.seed, height=args.height or default_height, width=args.width or default_width,
         steps=args.steps, guidance=args.guidance, negative_prompt=args.negative_prompt,
-        multiple=adapter.size_multiple(checkpoint),
+        multiple=adapter.size_multiple(checkpoint), true_cfg_scale=args.true_cfg_scale,
     )
+    true_cfg = frozenset(r.index for r in requests if adapter.uses_true_cfg(r.negative_prompt, _call_kwargs(r, adapter)))
+    notes = []
+    if pairs > 1 and not true_cfg:
+        notes.append(
+            f"--cfg-parallel: no request uses true CFG ({'guidance-distilled model' if not adapter.takes_negative_prompt else 'it needs a negative prompt and a true_cfg_scale above 1'}), "
+            f"so the transformer runs once per step and the cfg ranks run as data parallelism instead: "
+            f"dp={world_size // tp}, tp={tp}."
+        )
+        pairs = 1
     suffix = ".mp4" if adapter.pipeline_class == "MiniMaxH3Blocks" else ".png"
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     return JobPlan(checkpoint, family, requests, args.out, suffix, tp, world_size, dtype,
-                   settings={"model": args.model, "compile": args.compile, "warmup": args.warmup})
+                   settings={"model": args.model, "compile": args.compile, "warmup": args.warmup},
+                   cfg=pairs, true_cfg=true_cfg, notes=notes)
 
 
 def _call_kwargs(request: Request, adapter) -> dict:
     kwargs = {"height": request.height, "width": request.width, "num_inference_steps": request.steps}
     if request.guidance is not None:
         kwargs[adapter.guidance_kwarg] = request.guidance
+    if request.true_cfg_scale is not None:
+        kwargs["true_cfg_scale"] = request.true_cfg_scale
     return kwargs
 
 
+def pair_work(requests: list[Request], plan: JobPlan, cfg_rank: int) -> list[tuple[Request, bool]]:
+    """What one TP group of a CFG pair makes of its pair's `requests`, as (request, with its partner).
+
+    A request with true CFG is made by both groups together; the others alternate between the groups, in order.
+    """
+    work, alone = [], 0
+    for request in requests:
+        if plan.cfg > 1 and request.index in plan.true_cfg:
+            work.append((request, True))
+            continue
+        if plan.cfg == 1 or alone % 2 == cfg_rank:
+            work.append((request, False))
+        alone += 1
+    return work
+
+
 def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm: bool, timeout_s: float) -> dict:
-    """Generate every request on this process's TP group's share; rank 0 returns (and writes) the summary."""
+    """Generate this process's share of the requests (its replica's, see `pair_work`); rank 0 returns (and writes)
+    the summary."""
     import torch.distributed as dist
 
     from .compile import compile_report
-    from .distributed import init_distributed, is_main_process, is_tp_leader
+    from .distributed import (broadcast_object_from_replica_leader, cfg_rank, init_distributed, is_main_process,
+                              is_replica_leader, is_tp_leader)
     from .media import save_json
 
-    mesh = init_distributed(tp=plan.tp, timeout_s=timeout_s)
+    mesh = init_distributed(tp=plan.tp, cfg=plan.cfg, timeout_s=timeout_s)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     leader = is_tp_leader(mesh)
     mine = plan.requests[dp_rank::dp]
-    # The leader writes the files, so it decides what is left to do and tells its group.
-    todo = [[r for r in mine if overwrite or not (plan.out_dir / r.file_name(plan.suffix)).exists()] if leader else None]
-    dist.broadcast_object_list(todo, src=dist.get_global_rank(mesh["tp"].get_group(), 0), group=mesh["tp"].get_group())
-    todo = todo[0]
+    # The replica's leader decides what is left to do (the replica writes into one folder) and tells the replica.
+    todo = broadcast_object_from_replica_leader(
+        [r for r in mine if overwrite or not (plan.out_dir / r.file_name(plan.suffix)).exists()]
+        if is_replica_leader(mesh) else None, mesh)
+    work = pair_work(todo, plan, cfg_rank(mesh))
 
     images, phases = [], None
-    if todo:  # a fully resumed group loads nothing
-        images, phases = _generate_share(plan, mesh, todo, compile_backend, warm, leader, dp)
+    if work:  # a fully resumed group loads nothing
+        images, phases = _generate_share(plan, mesh, work, compile_backend, warm, dp)
     gathered = [None] * dist.get_world_size() if is_main_process() else None
     dist.gather_object({"images": images, "phases": phases} if leader else None, gathered, dst=0)
     summary = None
@@ -240,8 +300,10 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
     return summary
 
 
-def _generate_share(plan: JobPlan, mesh, todo: list[Request], compile_backend, warm: bool, leader: bool, dp: int):
-    """Load, compile, and generate this TP group's `todo`; returns the leader's per-image records and phases."""
+def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compile_backend, warm: bool, dp: int):
+    """Load, compile, and generate this TP group's `work`; returns the saved images' records and the phases."""
+    import torch.distributed as dist
+
     from tqdm.auto import tqdm
 
     from .compile import compile_repeated_blocks, warmup
@@ -254,8 +316,8 @@ def _generate_share(plan: JobPlan, mesh, todo: list[Request], compile_backend, w
     if compile_backend:
         compile_repeated_blocks(pipe, backend=compile_backend)
         if warm:
-            sizes = sorted({(r.height, r.width) for r in todo})
-            warmup(pipe, sizes, num_inference_steps=max(2, min(r.steps for r in todo)))
+            sizes = sorted({(r.height, r.width) for r, _ in work})
+            warmup(pipe, sizes, num_inference_steps=max(2, min(r.steps for r, _ in work)))
     compile_seconds = time.perf_counter() - compile_start
     after_warmup = (dict(pipe.times.seconds), dict(pipe.times.calls))
 
@@ -263,21 +325,20 @@ def _generate_share(plan: JobPlan, mesh, todo: list[Request], compile_backend, w
     # One bar, on rank 0, over its TP group's images; the stock per-step bar (rank 0 only, see `load_pipeline`)
     # clears itself after each image.
     pipe.pipe.set_progress_bar_config(disable=not is_main_process(), leave=False)
-    bar = tqdm(total=len(todo), desc="images" if dp == 1 else f"images (TP group 0 of {dp})",
+    bar = tqdm(total=len(work), desc="images" if dp * plan.cfg == 1 else "images (rank 0's TP group)",
                disable=not is_main_process())
-    for request in todo:
+    for request, with_partner in work:
         start = time.perf_counter()
         outputs = pipe.generate(request.prompt, seed=request.seed, negative_prompt=request.negative_prompt,
-                                **_call_kwargs(request, pipe.adapter))
-        save_seconds = 0.0
-        if leader:
+                                alone=not with_partner, **_call_kwargs(request, pipe.adapter))
+        if outputs is not None:  # the rank that holds the image saves it
             save_start = time.perf_counter()
             path = plan.out_dir / request.file_name(plan.suffix)
             save = save_video if plan.suffix == ".mp4" else save_png
-            save(outputs[0], path, text=settings_text(request, plan, dp))
-            save_seconds = time.perf_counter() - save_start
+            save(outputs[0], path, text=settings_text(request, plan, dp, cfg=2 if with_partner else 1))
             images.append({**asdict(request), "file": path.name, "seconds": round(time.perf_counter() - start, 4),
-                           "save_seconds": round(save_seconds, 4)})
+                           "save_seconds": round(time.perf_counter() - save_start, 4), "rank": dist.get_rank(),
+                           "cfg_parallel": with_partner})
         bar.update(1)
     bar.close()
 
