@@ -87,7 +87,7 @@ def check_cfg_degree(cfg: int, tp: int, world_size: int) -> None:
             f"cfg={cfg}: CFG parallelism splits the two branches of classifier-free guidance (cond, uncond), so the "
             "cfg degree is 2 (on) or 1 (off)."
         )
-    if tp >= 1 and world_size % (cfg * tp) != 0:
+    if cfg > 1 and tp >= 1 and world_size % (cfg * tp) != 0:
         valid = [d for d in divisors(world_size) if world_size % (cfg * d) == 0]
         raise ValueError(
             f"--cfg-parallel with --tp {tp} needs a multiple of {cfg} x {tp} = {cfg * tp} ranks (one TP group per "

@@ -285,3 +285,199 @@ def _max_output_diff(a, b) -> float:
     if hasattr(a, "frames"):
         return max((a.frames - b.frames).abs().max().item(), (a.audio - b.audio).abs().max().item())
     return (a - b).abs().max().item()
+
+
+# -- CFG parallelism (tests/test_cfg_parallel.py) ------------------------------------------------------------------
+
+CFG_PROMPT, CFG_NEGATIVE = "a red fox in the snow", "blurry, low quality"
+
+
+def _forwards(pipe) -> int:
+    return pipe.times.calls.get("transformer forward", 0)
+
+
+def _cfg_generations(mesh, checkpoints: dict, cases: dict) -> dict:
+    """Per case: the CFG-parallel image, the same image made serially by this rank's TP group alone, and the real
+    transformer forwards each took on this rank."""
+    import gc
+
+    import numpy as np
+
+    import neuron_diffusers as nd
+
+    report, pipes = {}, {}
+    for case, (family, call) in cases.items():
+        pipe = pipes.get(family) or nd.load_pipeline(checkpoints[family], mesh)
+        pipes = {family: pipe}  # consecutive cases of one family share the pipeline
+        kwargs = dict(call, negative_prompt=CFG_NEGATIVE, true_cfg_scale=4.0, output_type="np")
+        before = _forwards(pipe)
+        parallel = pipe.generate(CFG_PROMPT, seed=0, **kwargs)
+        middle = _forwards(pipe)
+        serial = pipe.generate(CFG_PROMPT, seed=0, alone=True, **kwargs)
+        report[case] = {
+            "image": None if parallel is None else parallel[0],
+            "equals_serial": None if parallel is None else bool(np.array_equal(parallel[0], serial[0])),
+            "forwards": middle - before,
+            "serial_forwards": _forwards(pipe) - middle,
+            "transformer_is_real": type(pipe.pipe.transformer).__name__ != "CFGParallelTransformer",
+        }
+        gc.collect()
+    return report
+
+
+def _job_outputs(argv: list[str]) -> dict:
+    """Run the `generate` job in this process group (as torchrun would) and read back what rank 0 wrote."""
+    import numpy as np
+    from PIL import Image
+
+    from neuron_diffusers.cli import _parser
+    from neuron_diffusers.distributed import detect_runtime
+    from neuron_diffusers.job import plan_job, run_job
+
+    args = _parser().parse_args(["generate", *argv])
+    runtime = detect_runtime()
+    plan = plan_job(args, runtime.world_size, runtime.device_type)
+    summary = run_job(plan, overwrite=False, compile_backend=None, warm=False, timeout_s=300)
+    if summary is None:
+        return None
+    return {
+        "summary": summary,
+        "notes": plan.notes,
+        "pixels": {image["file"]: np.asarray(Image.open(args.out / image["file"]))
+                   for image in summary["images"]},
+        "settings": {image["file"]: dict(Image.open(args.out / image["file"]).text) for image in summary["images"]},
+    }
+
+
+class _EchoTransformer(torch.nn.Module):
+    """A stand-in transformer whose output spans text + image, so cond and uncond differ in length (as
+    Qwen-Image-2.1's do when it does not read its text KV cache); it records the cache contexts it is called in."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, 4)
+        self.contexts = []
+
+    def cache_context(self, name: str, **kwargs):
+        import contextlib
+
+        self.contexts.append(name)
+        return contextlib.nullcontext()
+
+    def forward(self, hidden_states, encoder_hidden_states, return_dict: bool = False):
+        joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        return (self.proj(joint) * joint.mean(),)
+
+
+def _echo_denoise(pipe, latents, text, negative, guided_steps, steps=3, **call):
+    """A stock-style loop: cond, then uncond on `guided_steps` only (the others are CFG-truncated steps)."""
+    for step in range(steps):
+        with pipe.transformer.cache_context("cond"):
+            pred = pipe.transformer(hidden_states=latents, encoder_hidden_states=text, **call)[0][:, -latents.shape[1]:]
+        if step in guided_steps:
+            with pipe.transformer.cache_context("uncond"):
+                uncond = pipe.transformer(hidden_states=latents, encoder_hidden_states=negative)[0]
+            uncond = uncond[:, -latents.shape[1]:]
+            pred = uncond + 4.0 * (pred - uncond)
+        latents = latents - 0.1 * pred
+    return latents
+
+
+def _proxy_checks(real_transformer, group) -> dict:
+    """`CFGParallelTransformer` on its own, on the 2-rank CFG pair: exactness with a truncated step and unequal
+    branch lengths, the contexts and forwards of the real model, attribute forwarding, and every refusal."""
+    import inspect
+    import types
+
+    import torch.distributed as dist
+
+    from neuron_diffusers.cfg_parallel import CFGParallelTransformer, cfg_parallel_transformer
+
+    rank = dist.get_rank()
+    text, negative = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(1)), torch.randn(
+        1, 5, 4, generator=torch.Generator().manual_seed(2))
+    latents = torch.randn(1, 6, 4, generator=torch.Generator().manual_seed(3))
+    mine = (text, negative) if rank == 0 else (negative, text)  # what the runner's swap does for CFG rank 1
+    pipe = types.SimpleNamespace(transformer=_EchoTransformer())
+    reference = _echo_denoise(pipe, latents, text, negative, guided_steps={0, 2})
+    pipe.transformer.contexts.clear()
+    with cfg_parallel_transformer(pipe, group):
+        parallel = _echo_denoise(pipe, latents, *mine, guided_steps={0, 2})
+    report = {"exact": torch.equal(parallel, reference), "contexts": list(pipe.transformer.contexts)}
+
+    proxy = CFGParallelTransformer(real_transformer, group)
+    report["forwarded"] = {
+        "config": proxy.config is real_transformer.config,
+        "dtype": proxy.dtype == real_transformer.dtype,
+        "blocks": proxy.transformer_blocks is real_transformer.transformer_blocks,
+        "signature": inspect.signature(proxy.forward) == inspect.signature(real_transformer.forward),
+        "compile_repeated_blocks": proxy.compile_repeated_blocks.__self__ is real_transformer,
+    }
+
+    def error_of(run) -> str:
+        try:
+            with cfg_parallel_transformer(pipe, group):
+                run()
+            return "no error"
+        except (RuntimeError, ValueError) as error:
+            return f"{type(error).__name__}: {error}"
+
+    wrong_negative = negative + 1.0
+    report["errors"] = {
+        "wrong_branch": error_of(lambda: _echo_denoise(
+            pipe, latents, *((text, negative) if rank == 0 else (wrong_negative, text)), guided_steps={0})),
+        "diverged": error_of(lambda: _echo_denoise(pipe, latents + rank, *mine, guided_steps={0})),
+        "no_context": error_of(lambda: pipe.transformer(hidden_states=latents, encoder_hidden_states=text)),
+        "uncond_first": error_of(lambda: _uncond_first(pipe, latents, text)),
+        "ip_adapter": error_of(lambda: _echo_denoise(
+            pipe, latents, *mine, guided_steps={0}, joint_attention_kwargs={"ip_adapter_image_embeds": [text]})),
+    }
+    return report
+
+
+def _uncond_first(pipe, latents, text):
+    with pipe.transformer.cache_context("uncond"):
+        pipe.transformer(hidden_states=latents, encoder_hidden_states=text)
+
+
+def cfg_pair_checks(checkpoints: dict, cases: dict, split_call: dict, jobs: dict) -> dict:
+    """On 2 CPU ranks (one CFG pair, tp=1): CFG-parallel generation and forwards per case, the pair splitting
+    prompts without true CFG, a divergent seed, the IP-Adapter refusal, the proxy alone, and the job."""
+    import torch.distributed as dist
+
+    import neuron_diffusers as nd
+    from neuron_diffusers.cfg_parallel import CFGBranchMismatchError
+
+    torch.set_num_threads(1)  # as torchrun does: ranks share the cores
+    mesh = nd.init_distributed(tp=1, cfg=2)
+    report = {"mesh": (mesh.mesh_dim_names, tuple(mesh.shape)), "cases": _cfg_generations(mesh, checkpoints, cases)}
+
+    pipe = nd.load_pipeline(checkpoints["qwenimage"], mesh)
+    before = _forwards(pipe)
+    split = pipe.generate([CFG_PROMPT, "a blue bird"], seed=0, output_type="np", **split_call)
+    report["split"] = {"images": split, "forwards": _forwards(pipe) - before}
+    try:
+        pipe.generate(CFG_PROMPT, seed=dist.get_rank(), negative_prompt=CFG_NEGATIVE, **split_call)
+        report["divergence"] = "not caught"
+    except CFGBranchMismatchError as error:
+        report["divergence"] = str(error)
+    try:
+        pipe.generate(CFG_PROMPT, negative_prompt=CFG_NEGATIVE, ip_adapter_image=object(), **split_call)
+        report["ip_adapter"] = "accepted"
+    except ValueError as error:
+        report["ip_adapter"] = str(error)
+    report["proxy"] = _proxy_checks(pipe.adapter.transformer_of(pipe.pipe), mesh["cfg"].get_group())
+    del pipe
+    report["jobs"] = {name: _job_outputs(argv) for name, argv in jobs.items()}
+    return report
+
+
+def cfg_tp_checks(checkpoints: dict, cases: dict, jobs: dict) -> dict:
+    """On 4 CPU ranks (one CFG pair of TP=2 groups): CFG-parallel generation per case, and the job."""
+    import neuron_diffusers as nd
+
+    torch.set_num_threads(1)  # as torchrun does: ranks share the cores
+    mesh = nd.init_distributed(tp=2, cfg=2)
+    return {"mesh": (mesh.mesh_dim_names, tuple(mesh.shape)), "cases": _cfg_generations(mesh, checkpoints, cases),
+            "jobs": {name: _job_outputs(argv) for name, argv in jobs.items()}}
