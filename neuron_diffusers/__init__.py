@@ -8,7 +8,7 @@ process group.
 from importlib.metadata import PackageNotFoundError, version
 
 from . import integration
-from .distributed import init_distributed, is_main_process, is_tp_leader, rank
+from .distributed import init_distributed, is_main_process, is_replica_leader, is_tp_leader, rank
 from .runner import load_pipeline
 
 try:
@@ -18,4 +18,5 @@ except PackageNotFoundError:  # running from a source tree that was not pip-inst
 
 integration.install()
 
-__all__ = ["init_distributed", "is_main_process", "is_tp_leader", "load_pipeline", "rank", "__version__"]
+__all__ = ["init_distributed", "is_main_process", "is_replica_leader", "is_tp_leader", "load_pipeline", "rank",
+           "__version__"]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from . import bench_collectives, bench_compile, bench_encoder, bench_memory, plan_check, plan_report, plan_verify, tiny
+from . import (bench_cfg, bench_collectives, bench_compile, bench_encoder, bench_memory, plan_check, plan_report,
+               plan_verify, tiny)
 from .distributed import detect_runtime
 from .job import format_phases, plan_job, run_job
 
@@ -94,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
         bench_commands.add_parser("collectives", help="collectives per forward counted at run time; step time vs stock"))
     bench_compile.add_arguments(
         bench_commands.add_parser("compile", help="recompiles over a prompt set, stock vs ours; cold compile times"))
+    bench_cfg.add_arguments(
+        bench_commands.add_parser("cfg", help="step time of CFG-parallel vs serial CFG on the same ranks; forwards"))
     return parser
 
 
@@ -152,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_collectives.main_with(args)
         elif command == "bench compile":
             bench_compile.main_with(args)
+        elif command == "bench cfg":
+            bench_cfg.main_with(args)
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
         print(f"neuron-diffusers {command}: error: {error}", file=sys.stderr)
         return 2

@@ -441,6 +441,27 @@ def _uncond_first(pipe, latents, text):
         pipe.transformer(hidden_states=latents, encoder_hidden_states=text)
 
 
+def _compiled_cfg_parallel(pipe, call: dict) -> dict:
+    """The real model's blocks compiled and warmed up (no negative prompt), then a CFG-parallel call: no recompile,
+    and the image of the uncompiled model."""
+    import numpy as np
+
+    from neuron_diffusers.compile import compile_report, compile_repeated_blocks, warmup
+
+    kwargs = dict(call, negative_prompt=CFG_NEGATIVE, output_type="np")
+    eager = pipe.generate(CFG_PROMPT, seed=0, **kwargs)
+    start = compile_report()
+    compile_repeated_blocks(pipe, backend="eager")
+    guard = warmup(pipe, [(call["height"], call["width"])], on_recompile="raise",
+                   num_inference_steps=call["num_inference_steps"])
+    before = compile_report()
+    compiled = pipe.generate(CFG_PROMPT, seed=0, **kwargs)
+    guard.remove()
+    after = compile_report()
+    return {"warm_up_graphs": before["graphs"] - start["graphs"], "new_graphs": after["graphs"] - before["graphs"], "recompiles": after["recompiles"] - before["recompiles"],
+            "equal": None if eager is None else bool(np.array_equal(eager[0], compiled[0]))}
+
+
 def cfg_pair_checks(checkpoints: dict, cases: dict, split_call: dict, jobs: dict) -> dict:
     """On 2 CPU ranks (one CFG pair, tp=1): CFG-parallel generation and forwards per case, the pair splitting
     prompts without true CFG, a divergent seed, the IP-Adapter refusal, the proxy alone, and the job."""
@@ -468,6 +489,7 @@ def cfg_pair_checks(checkpoints: dict, cases: dict, split_call: dict, jobs: dict
     except ValueError as error:
         report["ip_adapter"] = str(error)
     report["proxy"] = _proxy_checks(pipe.adapter.transformer_of(pipe.pipe), mesh["cfg"].get_group())
+    report["compiled"] = _compiled_cfg_parallel(pipe, split_call)
     del pipe
     report["jobs"] = {name: _job_outputs(argv) for name, argv in jobs.items()}
     return report

@@ -133,6 +133,12 @@ def test_cfg_pair_matches_stock_with_half_the_forwards(checkpoints, references, 
         assert "no cond call before it" in errors["uncond_first"]
         assert "IP-Adapter" in errors["ip_adapter"]
 
+    # Only the real model is compiled: a CFG-parallel call after warm-up compiles nothing new.
+    for report in (leader, partner):
+        assert report["compiled"]["warm_up_graphs"] > 0, report["compiled"]
+        assert report["compiled"]["new_graphs"] == report["compiled"]["recompiles"] == 0, report["compiled"]
+    assert leader["compiled"]["equal"]
+
     assert partner["jobs"] == {family: None for family in FAMILIES}
     for family, job in leader["jobs"].items():
         _assert_same_image(job["pixels"]["00000-a-red-fox-in-the-snow.png"], job_references[family], f"job {family}")
