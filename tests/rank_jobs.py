@@ -412,6 +412,7 @@ def _proxy_checks(real_transformer, group) -> dict:
         "dtype": proxy.dtype == real_transformer.dtype,
         "blocks": proxy.transformer_blocks is real_transformer.transformer_blocks,
         "signature": inspect.signature(proxy.forward) == inspect.signature(real_transformer.forward),
+        "device": proxy.device == real_transformer.device,
         "compile_repeated_blocks": proxy.compile_repeated_blocks.__self__ is real_transformer,
     }
 
@@ -492,6 +493,8 @@ def cfg_pair_checks(checkpoints: dict, cases: dict, split_call: dict, jobs: dict
     report["compiled"] = _compiled_cfg_parallel(pipe, split_call)
     del pipe
     report["jobs"] = {name: _job_outputs(argv) for name, argv in jobs.items()}
+    rerun = _job_outputs(jobs["qwenimage"])  # every output exists: the pair resumes with nothing to do
+    report["rerun_generated"] = None if rerun is None else rerun["summary"]["generated"]
     return report
 
 

@@ -144,6 +144,7 @@ def test_cfg_pair_matches_stock_with_half_the_forwards(checkpoints, references, 
         _assert_same_image(job["pixels"]["00000-a-red-fox-in-the-snow.png"], job_references[family], f"job {family}")
         assert job["summary"]["mesh"]["shape"] == [1, 2, 1]
         assert job["settings"]["00000-a-red-fox-in-the-snow.png"]["cfg"] == "2"
+    assert leader["rerun_generated"] == 0, "a rerun of a finished CFG-parallel job must resume with nothing to do"
     mixed = leader["jobs"]["qwenimage"]
     by_file = {image["file"]: image for image in mixed["summary"]["images"]}
     assert [by_file[name]["rank"] for name in sorted(by_file)] == [0, 0, 1], "requests without CFG must alternate"
