@@ -3,6 +3,7 @@
 Offline, on a tiny random Qwen-Image built on first use (CPU ranks over gloo; plain `python` works too):
 
     torchrun --nproc_per_node=2 samples/qwen_image.py --out qwen_image.png
+    torchrun --nproc_per_node=2 samples/qwen_image.py --cfg-parallel --out qwen_image.png  # cond, uncond at once
 
 The real model, unchanged script: download Qwen/Qwen-Image and pass the folder. Without --height, --width and
 --steps a real checkpoint runs Qwen's recommended 1328x1328, 50 steps, true_cfg_scale 4 with a negative prompt, in
@@ -32,7 +33,10 @@ parser.add_argument("--model", default="qwenimage", help="checkpoint folder (def
 parser.add_argument("--prompt", default='A coffee shop entrance with a chalkboard sign reading "Qwen Coffee 2 dollars"')
 parser.add_argument("--negative-prompt", default=" ", help="what to steer away from (Qwen's examples use ' ')")
 parser.add_argument("--true-cfg-scale", type=float, default=4.0, help="> 1 runs true CFG: two passes per step")
-parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: every rank)")
+parser.add_argument("--tp", type=int, default=None,
+                    help="tensor-parallel degree (default: every rank; with --cfg-parallel half of them)")
+parser.add_argument("--cfg-parallel", action="store_true",
+                    help="compute the cond and uncond passes of each step on two TP groups at once (2 x tp ranks)")
 parser.add_argument("--height", type=int)
 parser.add_argument("--width", type=int)
 parser.add_argument("--steps", type=int)
@@ -46,23 +50,26 @@ height, width = tiny.default_size("qwenimage") if tiny_model else (1328, 1328)
 height, width, steps = args.height or height, args.width or width, args.steps or (4 if tiny_model else 50)
 dtype = torch.float32 if detect_runtime().device_type == "cpu" else torch.bfloat16
 
-mesh = nd.init_distributed(tp=args.tp)  # torchrun env -> neuron > cuda > cpu; a ("dp", "tp") mesh
+# torchrun env -> neuron > cuda > cpu; a ("dp", "tp") mesh, or ("dp", "cfg", "tp") with --cfg-parallel
+mesh = nd.init_distributed(tp=args.tp, cfg=2 if args.cfg_parallel else 1)
 pipe = nd.load_pipeline(args.model, mesh=mesh, torch_dtype=dtype)  # text encoder: leader only, on CPU
 call = dict(negative_prompt=args.negative_prompt, true_cfg_scale=args.true_cfg_scale)
 if args.compile:
     compile_repeated_blocks(pipe, backend=args.compile)
     warmup(pipe, sizes=[(height, width)], **call)  # every length bucket, so no prompt compiles anything later
 
-# With --tp below the world size, each TP group makes its own image from its own seed.
+# With more ranks than one replica (a TP group, or with --cfg-parallel a pair of them) each replica makes its own
+# image from its own seed.
 group, groups = mesh["dp"].get_local_rank(), mesh["dp"].size()
 out = args.out if groups == 1 else args.out.with_stem(f"{args.out.stem}-{group}")
 if nd.is_main_process():
-    print(f"Qwen-Image {args.model}: tp={mesh['tp'].size()} dp={groups} {height}x{width} {steps} steps {dtype}",
+    print(f"Qwen-Image {args.model}: tp={mesh['tp'].size()} cfg={2 if args.cfg_parallel else 1} dp={groups} "
+          f"{height}x{width} {steps} steps {dtype}",
           flush=True)
 start = time.perf_counter()
 images = pipe.generate([args.prompt], seed=args.seed + group, height=height, width=width,
                        num_inference_steps=steps, **call)
-if images is not None:  # the TP group's leader decodes and saves
+if images is not None:  # the replica's leader decodes and saves
     save_png(images[0], out, text={"prompt": args.prompt, "negative_prompt": args.negative_prompt,
                                    "seed": str(args.seed + group), "model": args.model})
     if nd.is_main_process():
