@@ -204,7 +204,6 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     check_out_dir(args.out)
     pairs = 2 if args.cfg_parallel else 1
     tp = args.tp or max(world_size // pairs, 1)
-    check_cfg_degree(pairs, tp, world_size)
     check_tp_degree(tp, world_size)
     checkpoint = resolve_model(args.model)
     check_safetensors(checkpoint)
@@ -229,17 +228,21 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     true_cfg = frozenset(r.index for r in requests if adapter.uses_true_cfg(r.negative_prompt, _call_kwargs(r, adapter)))
     notes = []
     if pairs > 1 and not true_cfg:
-        notes.append(
-            f"--cfg-parallel: no request uses true CFG ({'guidance-distilled model' if not adapter.takes_negative_prompt else 'it needs a negative prompt and a true_cfg_scale above 1'}), "
-            f"so the transformer runs once per step and the cfg ranks run as data parallelism instead: "
-            f"dp={world_size // tp}, tp={tp}."
-        )
+        notes.append(_no_pairs_note(adapter, world_size, tp))
         pairs = 1
+    check_cfg_degree(pairs, tp, world_size)  # only once pairs are known to be needed: a fallback runs on any world
     suffix = ".mp4" if adapter.pipeline_class == "MiniMaxH3Blocks" else ".png"
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     return JobPlan(checkpoint, family, requests, args.out, suffix, tp, world_size, dtype,
                    settings={"model": args.model, "compile": args.compile, "warmup": args.warmup},
                    cfg=pairs, true_cfg=true_cfg, notes=notes)
+
+
+def _no_pairs_note(adapter, world_size: int, tp: int) -> str:
+    why = ("the model is guidance-distilled" if not adapter.takes_negative_prompt
+           else "that needs a negative prompt and a true_cfg_scale above 1")
+    return (f"--cfg-parallel: no request uses true CFG ({why}), so the transformer runs once per step and the cfg "
+            f"ranks run as data parallelism instead: dp={world_size // tp}, tp={tp}.")
 
 
 def _call_kwargs(request: Request, adapter) -> dict:

@@ -185,6 +185,8 @@ def test_cfg_parallel_without_true_cfg_is_data_parallel(tmp_path):
     assert plan.cfg == 1 and plan.tp == 2 and "guidance-distilled" in plan.notes[0] and "dp=2, tp=2" in plan.notes[0]
     plan = _plan(tmp_path, 2, "--model", "qwenimage", "--cfg-parallel")  # no negative prompt
     assert plan.cfg == 1 and plan.tp == 1 and "data parallelism" in plan.notes[0]
+    plan = _plan(tmp_path, 2, "--model", "flux2", "--cfg-parallel", "--tp", "2")  # 2 ranks cannot pair: no error
+    assert plan.cfg == 1 and plan.tp == 2 and "dp=1, tp=2" in plan.notes[0]
     plan = _plan(tmp_path, 4, "--model", "flux", "--cfg-parallel", "--negative-prompt", "blurry",
                  "--true-cfg-scale", "4", "--tp", "1")
     assert plan.cfg == 2 and plan.true_cfg == {0} and not plan.notes
@@ -198,7 +200,8 @@ def test_pair_work_alternates_requests_without_true_cfg():
 
 
 BAD_CFG_INPUT = {
-    "world not divisible by 2 x tp": (["--cfg-parallel"], "--cfg-parallel with --tp 1 needs a multiple of 2 x 1 = 2 ranks"),
+    "world not divisible by 2 x tp": (["--cfg-parallel", "--negative-prompt", "blurry", "--true-cfg-scale", "4"],
+                                      "--cfg-parallel with --tp 1 needs a multiple of 2 x 1 = 2 ranks"),
     "true cfg scale for Qwen-Image": (["--model", "qwenimage", "--true-cfg-scale", "4"], "use --guidance 4"),
     "true cfg scale for FLUX.2": (["--model", "flux2", "--true-cfg-scale", "4"], "has no true CFG"),
 }
