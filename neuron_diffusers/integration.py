@@ -11,9 +11,12 @@ slice-streaming loader) that we build on rather than copy. Five gaps are closed 
    shape check) inside `_check_tp_supported`, which both entry points call before loading.
 3. A failed `enable_parallelism` leaves the model half-sharded and marked "already applied". We
    snapshot the model and restore it exactly on any failure.
-4. One more plan style, `GatheredColwiseParallel` (see `tp_plans/styles.py`), taught to the three
-   stock dispatchers: shard specs (so the loader streams only each rank's slice), partitioning
-   styles, and hooks-only styles (used after a streaming load, on Neuron too).
+4. Our plan styles, `GatheredColwiseParallel` and `PartialRowwiseParallel` (see `tp_plans/styles.py`),
+   taught to the three stock dispatchers: shard specs (so the loader streams only each rank's slice:
+   they are laid out exactly like colwise / rowwise), partitioning styles, and hooks-only styles (used
+   after a streaming load, on Neuron too). Their forward-time behaviour (one all-reduce for a pair of
+   partial sums, one all-gather for all hoisted modulation) is installed by `coalesce.install` right
+   after stock's `apply_tensor_parallel`.
 5. Attention processors that split heads with `attn.heads` (MiniMax-H3's, HunyuanVideo's, the stock
    `AttnProcessor2_0`) see the rank's local head count once `to_q` is sharded, so they split by
    head_dim as Flux and Qwen already do.
@@ -29,8 +32,11 @@ from collections import OrderedDict
 
 import torch
 
+from . import coalesce
 from .distributed import divisors
-from .tp_plans.styles import GatheredColwiseParallel
+from .tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
+
+_OUR_STYLES = (GatheredColwiseParallel, PartialRowwiseParallel)
 
 _PINNED_SERIES = "0.42."
 
@@ -130,20 +136,21 @@ def _wrap_resolve_parallel_config(stock):
 
 
 def _snapshot(model: torch.nn.Module) -> list:
-    """Every module's attributes, with the contents of its dicts (parameters, buffers, hooks, children).
+    """Every module's class and attributes, with the contents of its dicts (parameters, buffers, hooks, children).
 
     Restoring writes the saved contents back into the *same* dict objects, so hook handles taken
     before the failed call stay valid. Only plain dicts are mutable state here (a config's
-    `FrozenDict` is restored by reference).
+    `FrozenDict` is restored by reference). Classes: `coalesce` swaps some modules' classes.
     """
     return [
-        (module, {k: (v, dict(v) if type(v) in (dict, OrderedDict) else None) for k, v in vars(module).items()})
+        (module, type(module), {k: (v, dict(v) if type(v) in (dict, OrderedDict) else None) for k, v in vars(module).items()})
         for module in model.modules()
     ]
 
 
 def _restore(snapshot: list) -> None:
-    for module, saved in snapshot:
+    for module, cls, saved in snapshot:
+        module.__class__ = cls
         for key in [k for k in vars(module) if k not in saved]:
             del module.__dict__[key]
         for key, (value, contents) in saved.items():
@@ -169,30 +176,46 @@ def _wrap_enable_parallelism(stock):
 
 
 def _wrap_resolve_tp_shard_specs(stock):
-    """A gathered colwise Linear is laid out exactly like a colwise one: translate, then reuse stock."""
+    """Our styles are laid out exactly like colwise (gathered) and rowwise (partial): translate, then reuse stock."""
+
+    global _stock_resolve_tp_shard_specs
+    _stock_resolve_tp_shard_specs = stock
 
     @functools.wraps(stock)
     def resolve_tp_shard_specs(model, tp_plan, tp_degree):
-        check_plan_matches(model, tp_plan)
-        translated = {k: "colwise" if isinstance(v, GatheredColwiseParallel) else v for k, v in tp_plan.items()}
-        return stock(model, translated, tp_degree)
+        return shard_specs(model, tp_plan, tp_degree)
 
     return resolve_tp_shard_specs
 
 
-def _gathered_colwise(partition: bool):
-    """`ColwiseParallel` whose output is all-gathered to a replicated, plain local tensor."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel
+def _torch_style(style, partition: bool):
+    """The `torch.distributed.tensor.parallel` style that lays out and hooks one of our styles.
 
-    if partition:
-        return ColwiseParallel(output_layouts=Replicate())
+    - `GatheredColwiseParallel()`: colwise, output all-gathered to a replicated plain tensor.
+    - `GatheredColwiseParallel(hoist_from=...)`: colwise layout and no hooks: `coalesce` computes it.
+    - `PartialRowwiseParallel`: rowwise, output left as this rank's partial sum (`Partial()`), for `coalesce`
+      to reduce together with its partners.
+    `partition=False` (after a streaming load) keeps the weights the loader already placed as shards.
+    """
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import distribute_module
 
-    class _NoPartitionGatheredColwise(ColwiseParallel):
+    base = RowwiseParallel if isinstance(style, PartialRowwiseParallel) else ColwiseParallel
+
+    class _Style(base):
         def _partition_linear_fn(self, name, module, device_mesh):
-            pass  # weight and bias already streamed in as Shard(0)
+            if partition:
+                super()._partition_linear_fn(name, module, device_mesh)
 
-    return _NoPartitionGatheredColwise(output_layouts=Replicate())
+        def _apply(self, module, device_mesh):
+            if getattr(style, "hoist_from", None) is None:
+                return super()._apply(module, device_mesh)
+            return distribute_module(module, device_mesh, self._partition_linear_fn)  # layout only, no hooks
+
+    if isinstance(style, PartialRowwiseParallel):
+        return _Style(output_layouts=Partial())
+    return _Style(output_layouts=Replicate())
 
 
 def _wrap_style_dispatch(stock, partition: bool):
@@ -200,9 +223,9 @@ def _wrap_style_dispatch(stock, partition: bool):
     def dispatch(relative_plan):
         # Keep the plan's order: `parallelize_module` shards in dict order, issuing collectives
         # (scatters) as it goes, so every rank must walk the modules in the same sequence.
-        resolved = stock({k: v for k, v in relative_plan.items() if not isinstance(v, GatheredColwiseParallel)})
+        resolved = stock({k: v for k, v in relative_plan.items() if not isinstance(v, _OUR_STYLES)})
         return {
-            path: _gathered_colwise(partition) if isinstance(style, GatheredColwiseParallel) else resolved[path]
+            path: _torch_style(style, partition) if isinstance(style, _OUR_STYLES) else resolved[path]
             for path, style in relative_plan.items()
         }
 
@@ -255,28 +278,34 @@ def check_plan_matches(model: torch.nn.Module, plan: dict) -> None:
             )
 
 
-def shard_specs(model: torch.nn.Module, plan: dict, tp: int) -> dict:
-    """diffusers' own layout of every planned parameter at degree `tp` (`resolve_tp_shard_specs`, our style included).
+_stock_resolve_tp_shard_specs = None  # set by `install()`
+
+
+def shard_specs(model: torch.nn.Module, plan: dict, tp: int, *, whole_plan: bool = True) -> dict:
+    """diffusers' own layout of every planned parameter at degree `tp` (`resolve_tp_shard_specs`, our styles included).
 
     The function the loader streams each rank's slice with, so a lint built on it sees exactly what a load would
     do. Raises `ValueError` for a rule that matches no Linear, an unknown style, packed blocks that do not divide
-    the Linear, or a block that `tp` does not divide.
+    the Linear, a block that `tp` does not divide, or coalescing rules `coalesce` cannot honour
+    (`whole_plan=False` skips the one check that needs every rule: which Linears a block forward reduces together).
     """
-    from diffusers.hooks import tensor_parallel
-
-    return tensor_parallel.resolve_tp_shard_specs(model, plan, tp)
+    check_plan_matches(model, plan)
+    coalesce.check_plan(model, plan, whole_plan=whole_plan)
+    layouts = {GatheredColwiseParallel: "colwise", PartialRowwiseParallel: "rowwise"}
+    return _stock_resolve_tp_shard_specs(model, {k: layouts.get(type(v), v) for k, v in plan.items()}, tp)
 
 
 def style_kind(style) -> str | None:
     """What a plan style does to its Linear: `"colwise"` (output left split across the ranks, packed or not),
-    `"rowwise"` (input split, output all-reduced), `"gathered"` (output all-gathered), or None (not a style)."""
+    `"rowwise"` (input split, output all-reduced, now or together with partners later), `"gathered"` (output
+    all-gathered, alone or hoisted), or None (not a style)."""
     from diffusers.hooks.tensor_parallel import PackedColwiseParallel, PackedRowwiseParallel
 
     if isinstance(style, GatheredColwiseParallel):
         return "gathered"
     if style == "colwise" or isinstance(style, PackedColwiseParallel):
         return "colwise"
-    if style == "rowwise" or isinstance(style, PackedRowwiseParallel):
+    if style == "rowwise" or isinstance(style, (PackedRowwiseParallel, PartialRowwiseParallel)):
         return "rowwise"
     return None
 
@@ -309,6 +338,7 @@ def _wrap_apply_tensor_parallel(stock):
     def apply_tensor_parallel(model, config, tp_plan, weights_already_sharded=False):
         stock(model, config, tp_plan, weights_already_sharded=weights_already_sharded)
         _set_local_heads(model)
+        coalesce.install(model, tp_plan, config._mesh)
 
     return apply_tensor_parallel
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import tp_plans
+from . import coalesce, tp_plans
 from .integration import check_plan_matches, shard_specs, style_kind
 from .plan_report import human_params, meta_model, param_group, valid_tp_degrees
 from .tp_plans import FAMILY_PLANS
@@ -130,7 +130,7 @@ def _rule_errors(model: torch.nn.Module, plan: dict) -> tuple[list[Finding], set
             unmatched.add(rule)
             continue
         try:
-            shard_specs(model, {rule: style}, 1)
+            shard_specs(model, {rule: style}, 1, whole_plan=False)
         except ValueError as error:
             errors.append(Finding(rule, str(error) + (_PACKED_HINT if hasattr(style, "blocks") else "")))
             unresolved.add(rule)
@@ -214,6 +214,11 @@ def check_plan(model: torch.nn.Module, plan: dict, tp: int | None = None) -> Che
     # A rule with bad packed blocks still says which way its Linear is split, so it still counts as a partner.
     errors += _partner_errors(model, {rule: style for rule, style in plan.items() if rule not in unmatched})
     rules = {rule: style for rule, style in plan.items() if rule not in unmatched | unresolved}
+    try:
+        coalesce.check_plan(model, rules)
+    except ValueError as error:
+        errors.append(Finding("", str(error)))
+        rules = {rule: style for rule, style in rules.items() if getattr(style, "reduced_at", None) != "block"}
     specs = shard_specs(model, rules, 1) if rules else {}
     planned = {name.rpartition(".")[0] for name in specs}
     sharded = {name for name, spec in specs.items() if spec.dim is not None}  # a rowwise bias stays whole

@@ -7,9 +7,11 @@ second) with diffusers' own `resolve_tp_shard_specs`, the function the loader us
 rank's slice, so the figures are exactly what a load would place on a rank, never hand-maintained.
 
 Collective counts are static: each rowwise / `PackedRowwiseParallel` Linear costs one all-reduce
-per call, each `GatheredColwiseParallel` Linear one all-gather per call, and **every planned Linear
-is assumed to run once per transformer forward** (true of the five supported transformers, whose
-forward visits each block once).
+per call; `PartialRowwiseParallel` Linears cost one all-reduce per block for each `reduced_at`;
+each `GatheredColwiseParallel` Linear one all-gather per call, except hoisted ones: one all-gather
+per `hoist_from` module. **Every planned Linear (and hoist source) is assumed to run once per
+transformer forward** (true of the five supported transformers, whose forward visits each block
+once). `bench collectives` checks these counts at run time.
 """
 
 from __future__ import annotations
@@ -98,16 +100,22 @@ def valid_tp_degrees(model: torch.nn.Module, plan: dict) -> list[int]:
 
 
 def _planned_calls(model: torch.nn.Module, plan: dict) -> dict[str, int]:
-    """Calls per forward of each style's Linears: one per module a rule matches (globs expand over a ModuleList)."""
+    """Collectives per forward: one per module a rule matches (globs expand over a ModuleList), except for the
+    coalescing styles, which share one call per block and reduction point, or per hoist source."""
     counts = {"all_reduce": 0, "all_gather": 0}
+    shared = set()  # (kind, container, point) already counted
     for pattern, style in plan.items():
         prefix, star, _ = pattern.partition("*")
         matches = len(model.get_submodule(prefix.strip("."))) if star else 1
-        kind = style_kind(style)
-        if kind == "rowwise":
-            counts["all_reduce"] += matches
-        elif kind == "gathered":
-            counts["all_gather"] += matches
+        kind = {"rowwise": "all_reduce", "gathered": "all_gather"}.get(style_kind(style))
+        hoisted = getattr(style, "hoist_from", None)
+        reduced_at = getattr(style, "reduced_at", None)
+        key = ("hoist", hoisted) if hoisted else ("reduce", prefix, reduced_at) if reduced_at else None
+        if kind is None or key in shared:
+            continue
+        if key is not None:
+            shared.add(key)
+        counts[kind] += 1 if hoisted else matches
     return counts
 
 
@@ -193,7 +201,7 @@ def format_report(report: dict, top: int = 12) -> str:
         f"  {'per rank / limit':<20} {report['ratio_to_limit']:>10.3f}x",
         "",
         f"  collectives per forward: {report['all_reduces_per_forward']} all-reduces, "
-        f"{report['all_gathers_per_forward']} all-gathers (each planned Linear called once)",
+        f"{report['all_gathers_per_forward']} all-gathers (each planned Linear and hoist source called once)",
         f"  valid TP degrees: {', '.join(map(str, report['valid_tp_degrees']))}",
         "",
         f"  replicated on every rank: {human_params(report['replicated_params'])} params "

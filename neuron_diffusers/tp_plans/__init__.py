@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from . import flux, flux2, hunyuanvideo, minimax_h3, qwenimage, qwenimage21
-from .styles import GatheredColwiseParallel
+from .styles import GatheredColwiseParallel, PartialRowwiseParallel
 
 FAMILY_PLANS = {
     "flux": flux,
@@ -55,4 +55,4 @@ def using_plan(cls, plan: dict | None):
         cls._tp_plan = previous
 
 
-__all__ = ["FAMILY_PLANS", "GatheredColwiseParallel", "model_class", "register", "stock_plan", "using_plan"]
+__all__ = ["FAMILY_PLANS", "GatheredColwiseParallel", "PartialRowwiseParallel", "model_class", "register", "stock_plan", "using_plan"]

@@ -6,18 +6,26 @@ every block's shift/scale/gate once per forward (`double_stream_modulation_img` 
 and the input projections replicated: 2.5% of the model, which at TP=8 is still 18% over the ideal
 per-rank size (8.83 GiB bf16 per rank against 7.50 GiB).
 
-We shard the three shared modulations, `norm_out.linear` and `context_embedder` (15360 -> 6144)
-with `GatheredColwiseParallel`: each rank computes 1/tp of the output columns and one all-gather
-rebuilds the exact full output (no reduction, so bit-identical to one process), which
+We shard the three shared modulations and `norm_out.linear` with
+`GatheredColwiseParallel(hoist_from="time_guidance_embed")`: all read `silu(temb)`, so right after
+`time_guidance_embed` each rank computes 1/tp of every one's output columns and ONE all-gather per
+forward rebuilds them all exactly (no reduction, so bit-identical to one process), which
 `Flux2Modulation.split`, the KV-cache modulation blending and `AdaLayerNormContinuous` then read
 as usual. All outputs are multiples of `inner_dim` = heads x head_dim, so they divide like the heads.
 
-Per rank at TP=8 (bf16): stock 8.83 GiB, ours 7.63 GiB, ideal (total / 8) 7.50 GiB -> 1.017 x ideal.
+Stock all-reduces a double-stream block's two streams separately, twice per block. Ours reduces
+the attention pair in one call (`reduced_at="attn"`) and the feed-forward pair in one
+(`reduced_at="block"`: a block forward with stock's operations that computes both feed-forwards
+before either is used): 8 x 2 + 48 = 64 all-reduces and 1 all-gather per forward, against 80.
+`context_embedder` (15360 -> 6144, 0.29%) stays replicated: sharding it would cost a second
+collective per forward.
+
+Per rank at TP=8 (bf16): stock 8.83 GiB, ours 7.79 GiB, ideal (total / 8) 7.50 GiB -> 1.038 x ideal.
 """
 
 from diffusers.hooks.tensor_parallel import PackedColwiseParallel, PackedRowwiseParallel
 
-from .styles import GatheredColwiseParallel
+from .styles import GatheredColwiseParallel, PartialRowwiseParallel
 
 MODEL_CLASS = "Flux2Transformer2DModel"
 
@@ -28,33 +36,34 @@ MODEL_CLASS = "Flux2Transformer2DModel"
 # - x_embedder (128 -> 6144) and proj_out (6144 -> 128): 0.005% together.
 # - attn.norm_q / norm_k / norm_added_q / norm_added_k: RMSNorm over head_dim, applied per head
 #   after the heads are split, so every rank needs the whole (tiny) weight. <0.001%.
+# - context_embedder (15360 -> 6144): 0.29%, see above.
 # - All LayerNorms here have no parameters (`elementwise_affine=False`), and FLUX.2 has no biases.
-# Everything left replicated: 0.25% of the model.
+# Everything left replicated: 0.54% of the model.
 PLAN = {
-    # --- stock diffusers 0.42.1 `Flux2Transformer2DModel._tp_plan`, verbatim ---
+    # --- stock diffusers 0.42.1 `Flux2Transformer2DModel._tp_plan`; its four double-stream rowwise
+    # Linears are PartialRowwiseParallel: reduced in pairs, the same layout and arithmetic ---
     # double-stream (cross-attention + FFN) blocks
     "transformer_blocks.*.attn.to_q": "colwise",
     "transformer_blocks.*.attn.to_k": "colwise",
     "transformer_blocks.*.attn.to_v": "colwise",
-    "transformer_blocks.*.attn.to_out.0": "rowwise",
+    "transformer_blocks.*.attn.to_out.0": PartialRowwiseParallel(reduced_at="attn"),
     "transformer_blocks.*.attn.add_q_proj": "colwise",
     "transformer_blocks.*.attn.add_k_proj": "colwise",
     "transformer_blocks.*.attn.add_v_proj": "colwise",
-    "transformer_blocks.*.attn.to_add_out": "rowwise",
+    "transformer_blocks.*.attn.to_add_out": PartialRowwiseParallel(reduced_at="attn"),
     # SwiGLU gate+linear are equal halves → blocks=[1,1]
     "transformer_blocks.*.ff.linear_in": PackedColwiseParallel([1, 1]),
-    "transformer_blocks.*.ff.linear_out": "rowwise",
+    "transformer_blocks.*.ff.linear_out": PartialRowwiseParallel(reduced_at="block"),
     "transformer_blocks.*.ff_context.linear_in": PackedColwiseParallel([1, 1]),
-    "transformer_blocks.*.ff_context.linear_out": "rowwise",
+    "transformer_blocks.*.ff_context.linear_out": PartialRowwiseParallel(reduced_at="block"),
     # single-stream: block structure stored on the Linear by Flux2ParallelSelfAttention.__init__
     "single_transformer_blocks.*.attn.to_qkv_mlp_proj": PackedColwiseParallel(),
     "single_transformer_blocks.*.attn.to_out": PackedRowwiseParallel(),
     # --- added by neuron_diffusers ---
-    # Shared AdaLN modulation: temb -> shift/scale/gate for every block, needed whole.
-    "double_stream_modulation_img.linear": GatheredColwiseParallel(),  # 0.70%
-    "double_stream_modulation_txt.linear": GatheredColwiseParallel(),  # 0.70%
-    "single_stream_modulation.linear": GatheredColwiseParallel(),  # 0.35%
-    "norm_out.linear": GatheredColwiseParallel(),  # temb -> (scale, shift), 0.23%
-    # Text input projection (15360 -> 6144); its output enters the double-stream blocks whole.
-    "context_embedder": GatheredColwiseParallel(),  # 0.29%
+    # Shared AdaLN modulation: silu(temb) -> shift/scale/gate for every block, needed whole; all
+    # computed right after `time_guidance_embed` and gathered in one call.
+    "double_stream_modulation_img.linear": GatheredColwiseParallel(hoist_from="time_guidance_embed"),  # 0.70%
+    "double_stream_modulation_txt.linear": GatheredColwiseParallel(hoist_from="time_guidance_embed"),  # 0.70%
+    "single_stream_modulation.linear": GatheredColwiseParallel(hoist_from="time_guidance_embed"),  # 0.35%
+    "norm_out.linear": GatheredColwiseParallel(hoist_from="time_guidance_embed"),  # -> (scale, shift), 0.23%
 }

@@ -13,14 +13,17 @@ stream) over a single packed video + audio + text sequence. Each block is Megatr
   `proj` (5376 -> 2 x 14336) is `chunk(2)`ed into value and gate halves, then `net.2` (14336 -> 5376).
   `PackedColwiseParallel([1, 1])` gives each rank the matching slices of both halves; `net.2` rowwise.
 - AdaLN: `adaln_proj.linear` (2688 -> 6 x 3 x 5376: six parameters for each of three modalities)
-  is 39% of the model. `GatheredColwiseParallel`: each rank computes 1/tp of the output columns and
-  one all-gather rebuilds the exact full table (no reduction, so bit-identical to one process),
-  which the block then `view`s, `chunk`s and indexes per row as usual. Same for `norm_out.linear`
-  and the text input projection `context_embedder` (5120 -> 5376, feeding the token refiner).
+  is 39% of the model. `GatheredColwiseParallel(hoist_from="time_embedder")`: every block's
+  projection and `norm_out.linear` read `silu(temb)` of the one shared `temb`, so right after
+  `time_embedder` each rank computes 1/tp of every one's output columns and ONE all-gather per
+  forward rebuilds all 51 tables exactly (no reduction, so bit-identical to one process), which the
+  blocks then `view`, `chunk` and index per row as usual. The text input projection
+  `context_embedder` (5120 -> 5376, 0.08%) stays replicated: sharding it would cost a second
+  collective. Per forward: 2 all-reduces per block (50 + 2 refiner blocks) and 1 all-gather.
 
 Full size: 56 heads, ffn 14336, hidden 5376 and the AdaLN widths all divide by 8.
-Per rank at TP=8 (bf16): stock (nothing sharded) 61.70 GiB, ours 7.74 GiB, ideal (total / 8)
-7.71 GiB -> 1.004 x ideal.
+Per rank at TP=8 (bf16): stock (nothing sharded) 61.70 GiB, ours 7.79 GiB, ideal (total / 8)
+7.71 GiB -> 1.010 x ideal.
 """
 
 from diffusers.hooks.tensor_parallel import PackedColwiseParallel
@@ -36,8 +39,9 @@ MODEL_CLASS = "MiniMaxH3Transformer3DModel"
 #   heads, 96- and 32-wide on the patch side): 0.004% together.
 # - norm1 / norm2 / token_refiner.final_norm / norm_out.norm: RMSNorm over the replicated residual
 #   stream; attn.norm_q / norm_k: RMSNorm over head_dim (see above). 0.002% together.
+# - context_embedder (5120 -> 5376): 0.08%, see above.
 # - Biases of the gathered Linears are sharded with them; the blocks have no other biases.
-# Everything left replicated: 0.05% of the model.
+# Everything left replicated: 0.13% of the model.
 PLAN = {
     # --- transformer blocks ---
     "transformer_blocks.*.attn.to_q": "colwise",
@@ -48,7 +52,8 @@ PLAN = {
     "transformer_blocks.*.ff.net.0.proj": PackedColwiseParallel([1, 1]),
     "transformer_blocks.*.ff.net.2": "rowwise",
     # AdaLN modulation table: temb -> 6 params x 3 modalities x hidden, needed whole.
-    "transformer_blocks.*.adaln_proj.linear": GatheredColwiseParallel(),  # 39.27%
+    # All computed right after `time_embedder` and gathered in one call.
+    "transformer_blocks.*.adaln_proj.linear": GatheredColwiseParallel(hoist_from="time_embedder"),  # 39.27%
     # --- token refiner blocks (text stream; no AdaLN) ---
     "token_refiner.refiner_blocks.*.attn.to_q": "colwise",
     "token_refiner.refiner_blocks.*.attn.to_k": "colwise",
@@ -57,7 +62,5 @@ PLAN = {
     "token_refiner.refiner_blocks.*.ff.net.0.proj": PackedColwiseParallel([1, 1]),
     "token_refiner.refiner_blocks.*.ff.net.2": "rowwise",
     # --- model-level ---
-    "norm_out.linear": GatheredColwiseParallel(),  # temb -> (shift, scale), 0.05%
-    # Text input projection (5120 -> 5376); its output enters the token refiner whole.
-    "context_embedder": GatheredColwiseParallel(),  # 0.08%
+    "norm_out.linear": GatheredColwiseParallel(hoist_from="time_embedder"),  # temb -> (shift, scale), 0.05%
 }

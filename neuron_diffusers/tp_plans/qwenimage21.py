@@ -7,9 +7,10 @@ which at TP=8 is still 13% over the ideal per-rank size (1.88 GiB bf16 per rank 
 Sharding the two modulation Linears alone would leave 0.73% replicated, just over the 5% budget,
 so the text projection is sharded too.
 
-- `modulation.1` and `norm_out.linear` use `GatheredColwiseParallel`: each rank computes 1/tp of
-  the output columns and one all-gather rebuilds the exact full output (no reduction, so
-  bit-identical to one process) that the blocks' `chunk`s and `_select_modulation_rows` read as usual.
+- `modulation.1` and `norm_out.linear` use `GatheredColwiseParallel(hoist_from="time_text_embed")`:
+  both read `silu(temb)`, so right after `time_text_embed` each rank computes 1/tp of their output
+  columns and ONE all-gather per forward rebuilds both exactly (no reduction, so bit-identical to
+  one process); the blocks' `chunk`s and `_select_modulation_rows` read them as usual.
 - `txt_in` is `text_norm -> in_layer -> GELU(tanh) -> out_layer` (4096 -> 4096 -> 4096): an MLP, so
   the usual colwise/rowwise pair. `text_norm` acts on the replicated input, the GELU is elementwise
   on the column shard, and `out_layer`'s all-reduce hands the blocks the whole text stream.
@@ -42,8 +43,9 @@ PLAN = {
     "transformer_blocks.*.img_mlp.out": "rowwise",
     # --- added by neuron_diffusers ---
     # Shared AdaLN modulation: temb -> [mod1.scale, mod1.gate, mod2.scale, mod2.gate], needed whole.
-    "modulation.1": GatheredColwiseParallel(),  # 0.94%
-    "norm_out.linear": GatheredColwiseParallel(),  # temb -> scale, 0.24%
+    # Both computed right after `time_text_embed` and gathered in one call.
+    "modulation.1": GatheredColwiseParallel(hoist_from="time_text_embed"),  # 0.94%
+    "norm_out.linear": GatheredColwiseParallel(hoist_from="time_text_embed"),  # temb -> scale, 0.24%
     # Text projection MLP: colwise in, rowwise out (all-reduce back to the whole text stream).
     "txt_in.in_layer": "colwise",  # 0.24%
     "txt_in.out_layer": "rowwise",  # 0.24%

@@ -1,0 +1,399 @@
+"""Fewer collectives per forward: partial sums reduced together, hoisted modulation gathered once.
+
+Per-collective latency dominates the small collectives of a transformer step (a fixed cost per call
+over gloo, NeuronLink or NVLink once the bytes are few), so the number of calls matters as much as
+the bytes. This module gives the two plan styles of `tp_plans/styles.py` their forward-time behaviour,
+without changing what any rank computes:
+
+- `PartialRowwiseParallel(reduced_at=...)`: rowwise Linears leave their partial sums (DTensor's own
+  local result, `bias / tp` included); a forward hook on the module named by `reduced_at` (e.g. a
+  dual-stream block's `attn`, which returns both streams) all-reduces all of them in one call. With
+  `reduced_at="block"` the block's forward does it: `COALESCED_FORWARDS` holds, per dual-stream block
+  class, stock's forward with the two feed-forwards both computed before either is used, so one
+  all-reduce serves both. Same operations as stock, in that order.
+- `GatheredColwiseParallel(hoist_from=...)`: every AdaLN modulation Linear reads `silu(temb)`, so right
+  after the module producing `temb` runs, all of them are computed from the local weight shards and
+  all-gathered in one call; each Linear then returns its slice of the result. The results live only
+  for the model's forward (cleared when it returns, even on error), so nothing stale can leak.
+
+Everything is installed per instance: forward hooks, attributes, and a swap of the instance's class to
+a subclass whose `forward` is ours (one subclass per class, with the same name, so diffusers'
+`_repeated_blocks` still finds the blocks and `compile_repeated_blocks` compiles one graph for all
+of them: an instance-bound `forward` would cost one graph per block). The transactional
+`enable_parallelism` in `integration.py` restores classes and attributes on failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import _functional_collectives as funcol
+
+from .tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
+
+logger = logging.getLogger(__name__)
+
+_BLOCK = "block"
+
+
+def reduce_together(tensors: list[torch.Tensor], mesh) -> list[torch.Tensor]:
+    """All-reduce (sum) several partial sums in one collective; each comes back in its own shape."""
+    flat = funcol.all_reduce(torch.cat([t.reshape(-1) for t in tensors]), "sum", mesh)
+    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def gather_columns(local_outputs: list[torch.Tensor], mesh) -> list[torch.Tensor]:
+    """All-gather several column-sharded outputs in one collective, each rebuilt as colwise + all-gather would.
+
+    Rank r holds columns `[r * n, (r + 1) * n)` of each output; the result is the full output in rank order,
+    bit for bit what `ColwiseParallel(output_layouts=Replicate())` returns.
+    """
+    tp = mesh.size()
+    gathered = funcol.all_gather_single(torch.cat([t.reshape(-1) for t in local_outputs]), 0, mesh).view(tp, -1)
+    full, offset = [], 0
+    for local in local_outputs:
+        part = gathered[:, offset:offset + local.numel()].reshape(tp, *local.shape)
+        full.append(part.movedim(0, -2).reshape(*local.shape[:-1], tp * local.shape[-1]))
+        offset += local.numel()
+    return full
+
+
+def _local_linear(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    bias = linear.bias.to_local() if linear.bias is not None else None
+    return F.linear(x, linear.weight.to_local(), bias)
+
+
+# --- partial sums reduced together -------------------------------------------------------------------------------
+
+
+def _reduce_outputs_hook(module, args, output, *, mesh, expected: int):
+    # Nothing block-specific may live in the hook's arguments: compiled blocks guard on them, and one
+    # differing constant per block would compile one graph per block.
+    outputs = output if isinstance(output, tuple) else (output,)
+    if len(outputs) != expected:
+        raise ValueError(
+            f"{type(module).__name__} returned {len(outputs)} outputs, but the tensor-parallel plan leaves {expected} partial sums "
+            f"there to reduce together. Its attention processor is not the one the plan was written for (FLUX.1's "
+            f"IP-Adapter processor returns a third, unsharded output): IP-Adapters are not supported under tensor "
+            f"parallelism. Unload it (`pipe.unload_ip_adapter()`), or load the model without a parallel_config."
+        )
+    reduced = reduce_together(list(outputs), mesh)
+    return tuple(reduced) if isinstance(output, tuple) else reduced[0]
+
+
+def _flux_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                        joint_attention_kwargs=None):
+    """`FluxTransformerBlock.forward` (diffusers 0.42.1) with both feed-forwards reduced in one all-reduce."""
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+        encoder_hidden_states, emb=temb
+    )
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attention_outputs = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+    if len(attention_outputs) == 2:
+        attn_output, context_attn_output = attention_outputs
+    elif len(attention_outputs) == 3:
+        attn_output, context_attn_output, ip_attn_output = attention_outputs
+
+    attn_output = gate_msa.unsqueeze(1) * attn_output
+    hidden_states = hidden_states + attn_output
+    norm_hidden_states = self.norm2(hidden_states)
+    norm_hidden_states = norm_hidden_states * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+    ff_output = self.ff(norm_hidden_states)
+
+    context_attn_output = c_gate_msa.unsqueeze(1) * context_attn_output
+    encoder_hidden_states = encoder_hidden_states + context_attn_output
+    norm_encoder_hidden_states = self.norm2_context(encoder_hidden_states)
+    norm_encoder_hidden_states = norm_encoder_hidden_states * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+    context_ff_output = self.ff_context(norm_encoder_hidden_states)
+
+    ff_output, context_ff_output = reduce_together([ff_output, context_ff_output], self._nd_tp_mesh)
+
+    ff_output = gate_mlp.unsqueeze(1) * ff_output
+    hidden_states = hidden_states + ff_output
+    if len(attention_outputs) == 3:
+        hidden_states = hidden_states + ip_attn_output
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * context_ff_output
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _flux2_block_forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
+                         image_rotary_emb=None, joint_attention_kwargs=None):
+    """`Flux2TransformerBlock.forward` (diffusers 0.42.1) with both feed-forwards reduced in one all-reduce."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(temb_mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = Flux2Modulation.split(
+        temb_mod_txt, 2
+    )
+    norm_hidden_states = self.norm1(hidden_states)
+    norm_hidden_states = (1 + scale_msa) * norm_hidden_states + shift_msa
+    norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states)
+    norm_encoder_hidden_states = (1 + c_scale_msa) * norm_encoder_hidden_states + c_shift_msa
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+
+    attn_output = gate_msa * attn_output
+    hidden_states = hidden_states + attn_output
+    norm_hidden_states = self.norm2(hidden_states)
+    norm_hidden_states = norm_hidden_states * (1 + scale_mlp) + shift_mlp
+    ff_output = self.ff(norm_hidden_states)
+
+    context_attn_output = c_gate_msa * context_attn_output
+    encoder_hidden_states = encoder_hidden_states + context_attn_output
+    norm_encoder_hidden_states = self.norm2_context(encoder_hidden_states)
+    norm_encoder_hidden_states = norm_encoder_hidden_states * (1 + c_scale_mlp) + c_shift_mlp
+    context_ff_output = self.ff_context(norm_encoder_hidden_states)
+
+    ff_output, context_ff_output = reduce_together([ff_output, context_ff_output], self._nd_tp_mesh)
+
+    hidden_states = hidden_states + gate_mlp * ff_output
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp * context_ff_output
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _qwenimage_block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+                             image_rotary_emb=None, joint_attention_kwargs=None, modulate_index=None):
+    """`QwenImageTransformerBlock.forward` (diffusers 0.42.1) with both MLPs reduced in one all-reduce."""
+    img_mod_params = self.img_mod(temb)
+    if self.zero_cond_t:
+        temb = torch.chunk(temb, 2, dim=0)[0]
+    txt_mod_params = self.txt_mod(temb)
+    img_mod1, img_mod2 = img_mod_params.chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = txt_mod_params.chunk(2, dim=-1)
+
+    img_normed = self.img_norm1(hidden_states)
+    img_modulated, img_gate1 = self._modulate(img_normed, img_mod1, modulate_index)
+    txt_normed = self.txt_norm1(encoder_hidden_states)
+    txt_modulated, txt_gate1 = self._modulate(txt_normed, txt_mod1)
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    img_attn_output, txt_attn_output = self.attn(
+        hidden_states=img_modulated,
+        encoder_hidden_states=txt_modulated,
+        encoder_hidden_states_mask=encoder_hidden_states_mask,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+    hidden_states = hidden_states + img_gate1 * img_attn_output
+    encoder_hidden_states = encoder_hidden_states + txt_gate1 * txt_attn_output
+
+    img_normed2 = self.img_norm2(hidden_states)
+    img_modulated2, img_gate2 = self._modulate(img_normed2, img_mod2, modulate_index)
+    img_mlp_output = self.img_mlp(img_modulated2)
+    txt_normed2 = self.txt_norm2(encoder_hidden_states)
+    txt_modulated2, txt_gate2 = self._modulate(txt_normed2, txt_mod2)
+    txt_mlp_output = self.txt_mlp(txt_modulated2)
+
+    img_mlp_output, txt_mlp_output = reduce_together([img_mlp_output, txt_mlp_output], self._nd_tp_mesh)
+
+    hidden_states = hidden_states + img_gate2 * img_mlp_output
+    encoder_hidden_states = encoder_hidden_states + txt_gate2 * txt_mlp_output
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+_SUBCLASSES: dict = {}
+
+
+def _with_forward(module: torch.nn.Module, forward) -> None:
+    """Make `forward` the module's forward through a subclass of its class (same name), shared by all instances."""
+    cls = type(module)
+    key = (cls, forward)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__,
+                                                       "__doc__": forward.__doc__})
+    module.__class__ = _SUBCLASSES[key]
+
+
+def _stock_class(cls: type) -> type:
+    """The class a module had before `_with_forward` (a model already sharded still names its stock blocks)."""
+    while cls in _SUBCLASSES.values():
+        cls = cls.__base__
+    return cls
+
+
+#: Block class name -> (coalesced forward, the partial Linears it reduces together (relative to the block), and a
+#: digest of the stock forward it mirrors: a diffusers release that changes that forward is refused, not mixed).
+COALESCED_FORWARDS = {
+    "FluxTransformerBlock": (_flux_block_forward, ("ff.net.2", "ff_context.net.2"), "0b184cbe172708b6"),
+    "Flux2TransformerBlock": (_flux2_block_forward, ("ff.linear_out", "ff_context.linear_out"), "b5d26783a67cbd6d"),
+    "QwenImageTransformerBlock": (_qwenimage_block_forward, ("img_mlp.net.2", "txt_mlp.net.2"), "89de238db44a7a47"),
+}
+
+
+def source_digest(function) -> str:
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+
+
+# --- hoisted modulation ------------------------------------------------------------------------------------------
+
+
+def _hoist_hook(module, args, output, *, linears: list, mesh):
+    """Right after the `temb` module: every hoisted Linear's local output, then one all-gather for all."""
+    activated = F.silu(output)
+    inputs = []
+    for linear, first_half in linears:
+        x = activated.to(linear.weight.dtype)
+        inputs.append(x.chunk(2, dim=0)[0] if first_half else x)
+    outputs = gather_columns([_local_linear(linear, x) for (linear, _), x in zip(linears, inputs)], mesh)
+    for (linear, _), x, full in zip(linears, inputs, outputs):
+        linear._nd_hoisted, linear._nd_hoisted_input = full, x
+
+
+def _hoisted_forward(self, input: torch.Tensor) -> torch.Tensor:
+    """Return this Linear's slice of the hoisted all-gather (checked against the real input when not compiling)."""
+    output = self._nd_hoisted
+    if output is None:
+        raise RuntimeError(
+            f"{self._nd_hoisted_name} is hoisted (GatheredColwiseParallel(hoist_from='{self._nd_hoisted_source}')): its "
+            f"output is computed when '{self._nd_hoisted_source}' runs inside the model's forward, so it cannot be "
+            f"called on its own. Call the whole model, or plan it with GatheredColwiseParallel() (no hoist_from)."
+        )
+    if not torch.compiler.is_compiling() and not (
+        input.shape == self._nd_hoisted_input.shape and torch.equal(input, self._nd_hoisted_input)
+    ):
+        if not self._nd_warned:
+            logger.warning(
+                "%s's input is not silu(%s output) as its plan declares: computing it with its own all-gather "
+                "instead (correct, one more collective per call). Fix the plan's hoist_from/first_half_if.",
+                self._nd_hoisted_name, self._nd_hoisted_source,
+            )
+            self._nd_warned = True
+        return gather_columns([_local_linear(self, input)], self._nd_tp_mesh)[0]
+    return output
+
+
+def _clear_hoisted(module, args, output, *, linears: list):
+    for linear in linears:
+        linear._nd_hoisted = linear._nd_hoisted_input = None
+
+
+# --- plan reading and installation -------------------------------------------------------------------------------
+
+
+def _rule_targets(model: torch.nn.Module, pattern: str) -> list[tuple[torch.nn.Module, str, str]]:
+    """(block, the block's name, path relative to the block) for each module a rule names; a rule without `*`
+    acts on the model itself (named "")."""
+    prefix, star, suffix = pattern.partition("*")
+    if not star:
+        return [(model, "", pattern)]
+    container = prefix.strip(".")
+    return [(block, f"{container}.{index}", suffix.strip("."))
+            for index, block in enumerate(model.get_submodule(container))]
+
+
+def _full_name(block_name: str, path: str) -> str:
+    return f"{block_name}.{path}" if block_name else path
+
+
+def check_plan(model: torch.nn.Module, plan: dict, *, whole_plan: bool = True) -> None:
+    """Reject coalescing rules this module cannot honour, before any weight is read.
+
+    `whole_plan=False` checks each rule on its own (for a lint that reports rule by rule): it skips the check that a
+    block forward's reduced Linears are exactly the plan's, which only a whole plan can pass.
+    """
+    block_rules: dict[type, set[str]] = {}
+    for pattern, style in plan.items():
+        if isinstance(style, PartialRowwiseParallel):
+            if "*" not in pattern:
+                raise ValueError(
+                    f"Tensor-parallel plan rule '{pattern}': PartialRowwiseParallel reduces within a block, so its rule "
+                    "must name a Linear inside a ModuleList of blocks ('blocks.*.path'). Use 'rowwise' here."
+                )
+            for block, _, path in _rule_targets(model, pattern)[:1]:
+                if style.reduced_at == _BLOCK:
+                    block_rules.setdefault(_stock_class(type(block)), set()).add(path)
+                elif not path.startswith(style.reduced_at + "."):
+                    raise ValueError(
+                        f"Tensor-parallel plan rule '{pattern}': PartialRowwiseParallel(reduced_at='{style.reduced_at}') "
+                        f"must name a Linear inside '{style.reduced_at}', whose outputs get reduced. Point reduced_at "
+                        "at a module around the Linear that returns its (partial) output."
+                    )
+                else:
+                    block.get_submodule(style.reduced_at)
+        elif isinstance(style, GatheredColwiseParallel) and style.hoist_from is not None:
+            try:
+                model.get_submodule(style.hoist_from)
+            except AttributeError:
+                raise ValueError(
+                    f"Tensor-parallel plan rule '{pattern}': hoist_from='{style.hoist_from}' is not a module of "
+                    f"{type(model).__name__}. Name the module whose output `temb` this Linear reads as silu(temb)."
+                ) from None
+            if style.first_half_if is not None and not hasattr(model.config, style.first_half_if):
+                raise ValueError(
+                    f"Tensor-parallel plan rule '{pattern}': first_half_if='{style.first_half_if}' is not a config "
+                    f"field of {type(model).__name__}."
+                )
+    for block_cls, paths in block_rules.items() if whole_plan else ():
+        known = COALESCED_FORWARDS.get(block_cls.__name__)
+        if known is None or set(known[1]) != paths:
+            supported = {name: list(linears) for name, (_, linears, _) in COALESCED_FORWARDS.items()}
+            raise ValueError(
+                f"Tensor-parallel plan reduces {sorted(paths)} of {block_cls.__name__} in the block "
+                f"(PartialRowwiseParallel(reduced_at='block')), but neuron_diffusers has no coalesced forward for that: "
+                f"supported blocks and their Linears: {supported}. Use 'rowwise' for these Linears."
+            )
+        if source_digest(block_cls.forward) != known[2]:
+            raise ValueError(
+                f"This diffusers' {block_cls.__name__}.forward differs from the diffusers 0.42.1 one that "
+                f"neuron_diffusers' coalesced forward mirrors, so reducing {sorted(paths)} together could compute "
+                f"something else. Install diffusers==0.42.1, or use 'rowwise' for these Linears."
+            )
+
+
+def install(model: torch.nn.Module, plan: dict, mesh) -> None:
+    """Give the plan's coalescing styles their forward-time behaviour on a just-sharded `model`."""
+    groups: dict[tuple[str, str], list] = {}  # (block name, reduced_at) -> [block, partial Linear count]
+    hoisted: dict[str, list] = {}
+    for pattern, style in plan.items():
+        if isinstance(style, PartialRowwiseParallel):
+            for block, block_name, _ in _rule_targets(model, pattern):
+                groups.setdefault((block_name, style.reduced_at), [block, 0])[1] += 1
+        elif isinstance(style, GatheredColwiseParallel) and style.hoist_from is not None:
+            first_half = bool(style.first_half_if and getattr(model.config, style.first_half_if))
+            for _, block_name, path in _rule_targets(model, pattern):
+                name = _full_name(block_name, path)
+                hoisted.setdefault(style.hoist_from, []).append((model.get_submodule(name), first_half, name))
+
+    for (_, reduced_at), (block, count) in groups.items():
+        if reduced_at == _BLOCK:
+            block._nd_tp_mesh = mesh
+            _with_forward(block, COALESCED_FORWARDS[type(block).__name__][0])
+        else:
+            hook = functools.partial(_reduce_outputs_hook, mesh=mesh, expected=count)
+            block.get_submodule(reduced_at).register_forward_hook(hook)
+
+    every_hoisted = []
+    for source, entries in hoisted.items():
+        for linear, _, name in entries:
+            _with_forward(linear, _hoisted_forward)
+            linear._nd_tp_mesh, linear._nd_hoisted_name, linear._nd_hoisted_source = mesh, name, source
+            linear._nd_hoisted = linear._nd_hoisted_input = None
+            linear._nd_warned = False
+            every_hoisted.append(linear)
+        linears = [(linear, first_half) for linear, first_half, _ in entries]
+        model.get_submodule(source).register_forward_hook(functools.partial(_hoist_hook, linears=linears, mesh=mesh))
+    if every_hoisted:
+        model.register_forward_hook(functools.partial(_clear_hoisted, linears=every_hoisted), always_call=True)

@@ -1,0 +1,128 @@
+"""Fewer collectives (issue 8): paired partial sums and hoisted modulation, equal to stock TP."""
+
+import pytest
+import torch
+
+from neuron_diffusers import bench_collectives, coalesce, tiny
+from neuron_diffusers.spawn import run_on_cpu_ranks
+from neuron_diffusers.tp_plans import GatheredColwiseParallel, PartialRowwiseParallel, model_class
+from neuron_diffusers.verify_cases import reference_call
+
+import coalesce_jobs
+
+#: Issue 8's ceilings at TP=2 and real depth: (all-reduces, all-gathers) per forward.
+DUAL_STREAM = ("flux", "flux2", "qwenimage")
+CEILINGS = {"flux": (76, 1), "qwenimage": (120, 1), "flux2": (64, 1), "h3": (2 * (50 + 2), 1)}
+
+
+@pytest.fixture(scope="module")
+def checks(tiny_checkpoint):
+    checkpoints = {family: tiny_checkpoint(family) for family in tiny.FAMILIES}
+    calls = {family: reference_call(checkpoints[family], family) for family in tiny.FAMILIES}
+    return run_on_cpu_ranks(coalesce_jobs.coalesce_checks, 2, checkpoints, calls)
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_equals_stock_tp_and_one_process(checks, family):
+    for report in checks:
+        entry = report[family]
+        assert entry["vs_single"] < 1e-5
+        # Stock TP; for MiniMax-H3 (no stock plan) ours with one collective per Linear, as stock would issue them.
+        assert entry["vs_stock"] <= 1e-6, entry["vs_stock"]
+        assert entry["calls"].get("all_gather") == 1, entry["calls"]
+        if family in DUAL_STREAM:  # paired reductions: fewer calls than the reference on the same inputs
+            assert entry["calls"]["all_reduce"] < entry["reference_calls"]["all_reduce"], entry
+        assert entry["stale"] == [], "hoisted outputs outlived the forward"
+
+
+def test_hoisted_linear_refuses_to_run_outside_the_forward(checks):
+    assert "cannot be called on its own" in checks[0]["called_alone"]
+
+
+def test_a_third_attention_output_is_refused_not_dropped(checks):
+    for report in checks:
+        assert "IP-Adapter" in report["ip_adapter"] and "returned 3 outputs" in report["ip_adapter"]
+        assert report["after_error_stale"] == [] and report["after_error_diff"] < 1e-5
+
+
+def test_zero_cond_t_reads_half_the_batch(checks):
+    for report in checks:
+        assert report["zero_cond_t"]["diff"] < 1e-5
+        assert report["zero_cond_t"]["calls"]["all_gather"] == 1
+
+
+def test_a_misdeclared_hoist_falls_back_to_its_own_gather_and_says_so(checks):
+    misdeclared = checks[0]["misdeclared"]
+    assert misdeclared["diff"] < 1e-5
+    blocks = 2  # tiny Qwen-Image: one extra gather per txt_mod call
+    assert misdeclared["calls"]["all_gather"] == 1 + blocks
+    assert any("txt_mod.1's input is not silu(time_text_embed output)" in w for w in misdeclared["warnings"])
+
+
+def test_failed_setup_restores_classes_and_hooks(checks):
+    for report in checks:
+        assert report["restored"] and report["restored_diff"] < 1e-5
+
+
+@pytest.fixture(scope="module")
+def full_depth():
+    return bench_collectives.measure(tp=2, repeats=1, depth="full")
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_collectives_per_forward_at_real_depth(full_depth, family):
+    figures = full_depth["families"][family]
+    ours = figures["ours"]["calls"]
+    assert ours.get("all_gather") == 1
+    if family in CEILINGS:
+        reduces, gathers = CEILINGS[family]
+        assert ours.get("all_reduce", 0) <= reduces and ours["all_gather"] <= gathers, ours
+    if figures["stock"] is not None:
+        # Qwen-Image-2.1's plan shards its text MLP too (one rowwise Linear) to meet the memory budget.
+        extra = 1 if family == "qwenimage21" else 0
+        assert ours.get("all_reduce", 0) <= figures["stock"]["calls"]["all_reduce"] + extra
+    assert "vs stock" in bench_collectives.format_table(full_depth)
+
+
+def _meta(family):
+    cls = model_class(family)
+    config = cls.load_config(tiny.cached_tiny(family), subfolder="transformer")
+    with torch.device("meta"):
+        return cls.from_config(config)
+
+
+@pytest.mark.parametrize("rule, style, message", [
+    ("transformer_blocks.*.attn.to_out.0", PartialRowwiseParallel(reduced_at="ff"), "must name a Linear inside 'ff'"),
+    ("proj_out", PartialRowwiseParallel(reduced_at="block"), "inside a ModuleList of blocks"),
+    ("norm_out.linear", GatheredColwiseParallel(hoist_from="time_embed"), "is not a module"),
+    ("norm_out.linear", GatheredColwiseParallel(hoist_from="time_text_embed", first_half_if="zero_t"),
+     "not a config field"),
+])
+def test_bad_coalescing_rules_are_named(rule, style, message):
+    with pytest.raises(ValueError, match=message):
+        coalesce.check_plan(_meta("flux"), {rule: style})
+
+
+def test_block_reduction_needs_a_known_block_and_its_exact_pair():
+    flux = _meta("flux")
+    with pytest.raises(ValueError, match="no coalesced forward"):
+        coalesce.check_plan(flux, {"transformer_blocks.*.ff.net.2": PartialRowwiseParallel(reduced_at="block")})
+    with pytest.raises(ValueError, match="MiniMaxH3TransformerBlock"):
+        coalesce.check_plan(_meta("h3"), {"transformer_blocks.*.ff.net.2": PartialRowwiseParallel(reduced_at="block")})
+    coalesce.check_plan(flux, model_class("flux")._tp_plan)
+
+
+def test_a_changed_stock_block_forward_is_refused(monkeypatch):
+    forward, linears, _ = coalesce.COALESCED_FORWARDS["FluxTransformerBlock"]
+    monkeypatch.setitem(coalesce.COALESCED_FORWARDS, "FluxTransformerBlock", (forward, linears, "0" * 16))
+    with pytest.raises(ValueError, match="differs from the diffusers 0.42.1 one"):
+        coalesce.check_plan(_meta("flux"), model_class("flux")._tp_plan)
+
+
+def test_styles_compare_as_data():
+    assert GatheredColwiseParallel(hoist_from="a") == GatheredColwiseParallel(hoist_from="a")
+    assert GatheredColwiseParallel(hoist_from="a") != GatheredColwiseParallel()
+    assert len({PartialRowwiseParallel("attn"), PartialRowwiseParallel("attn")}) == 1
+    assert repr(PartialRowwiseParallel("attn")) == "PartialRowwiseParallel(reduced_at='attn')"
+    with pytest.raises(ValueError, match="give hoist_from"):
+        GatheredColwiseParallel(first_half_if="zero_cond_t")
