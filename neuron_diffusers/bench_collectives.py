@@ -4,13 +4,15 @@
 transformer on CPU ranks and counts what actually goes over the wire, with a dispatch mode that sees every
 collective op whichever way it is issued (functional collectives, `torch.distributed` calls, DTensor
 redistributes). Per-collective latency dominates small collectives, so calls matter as much as bytes. Step time
-is the mean of a few forwards after a warm-up one, on the same inputs, with our plan and with diffusers' own.
+is the median of a few forwards after a warm-up one, on the same inputs, with our plan and with diffusers' own,
+timed in alternation, one thread per rank; `--depth full` gives the tiny-width transformers the real models' block counts.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import json
 import time
 
@@ -51,62 +53,106 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _measure_plan(model, args, kwargs, repeats: int) -> dict:
+#: Config fields that set a transformer's depth; `--depth full` gives them the class defaults (the real models').
+DEPTH_FIELDS = ("num_layers", "num_single_layers", "num_refiner_layers")
+
+
+def _call(model, args, kwargs):
+    """One forward on the captured call; a per-layer KV cache in it (Qwen-Image-2.1's first step fills one) is
+    replaced by a fresh one sized for this model, so every forward does the same work at any depth."""
+    fresh = {key: type(value)(len(model.transformer_blocks)) if hasattr(value, "layer_caches") else value
+             for key, value in kwargs.items()}
+    return model(*args, **fresh)
+
+
+def _count(model, args, kwargs) -> dict:
     counter = CollectiveCounter()
     with torch.no_grad():
-        model(*args, **kwargs)  # warm-up: lazy buffers, allocator
+        _call(model, args, kwargs)  # warm-up: lazy buffers, allocator
         with counter:
-            model(*args, **kwargs)
-        start = time.perf_counter()
+            _call(model, args, kwargs)
+    return {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
+
+
+def _median_seconds(models: dict, args, kwargs, repeats: int) -> dict[str, float]:
+    """Forwards timed in alternation, ours then stock, so load from other processes hits both alike."""
+    times = {label: [] for label in models}
+    with torch.no_grad():
         for _ in range(repeats):
-            model(*args, **kwargs)
-        seconds = (time.perf_counter() - start) / repeats
-    return {"calls": dict(counter.calls), "bytes": dict(counter.bytes), "seconds_per_forward": seconds}
+            for label, model in models.items():
+                start = time.perf_counter()
+                _call(model, args, kwargs)
+                times[label].append(time.perf_counter() - start)
+    return {label: sorted(values)[len(values) // 2] for label, values in times.items()}
 
 
-def _rank_job(families: list[str], tp: int, repeats: int) -> dict:
+def full_depth(cls, checkpoint) -> dict:
+    """The real model's block counts (the class defaults) for the depth fields the tiny config sets."""
+    config = cls.load_config(checkpoint, subfolder="transformer")
+    defaults = inspect.signature(cls.__init__).parameters
+    return {field: defaults[field].default for field in DEPTH_FIELDS if field in config and field in defaults}
+
+
+def _sharded(cls, checkpoint, plan: dict, mesh, depth: dict):
+    """The tiny transformer at `depth` (random weights, seeded: the same on every rank and for both plans)."""
     from diffusers import TensorParallelConfig
 
+    from neuron_diffusers.tp_plans import using_plan
+
+    with using_plan(cls, plan):
+        if not depth:
+            return cls.from_pretrained(checkpoint, subfolder="transformer", parallel_config=TensorParallelConfig(mesh=mesh))
+        torch.manual_seed(0)
+        model = cls.from_config({**cls.load_config(checkpoint, subfolder="transformer"), **depth}).eval()
+        model.enable_parallelism(config=TensorParallelConfig(mesh=mesh))
+        return model
+
+
+def _rank_job(families: list[str], tp: int, repeats: int, depth: str) -> dict:
     import neuron_diffusers as nd
     from neuron_diffusers.runner import transformer_class
-    from neuron_diffusers.tp_plans import stock_plan, using_plan
+    from neuron_diffusers.tp_plans import stock_plan
     from neuron_diffusers.verify_cases import reference_call
 
+    torch.set_num_threads(1)  # as torchrun does: the ranks share the host's cores (more threads each oversubscribe it)
     mesh = nd.init_distributed(tp=tp)["tp"]
     results = {}
     for family in families:
         checkpoint = tiny.cached_tiny(family)
         args, kwargs, _ = reference_call(checkpoint, family)
         cls = transformer_class(checkpoint)
-        results[family] = {}
+        layers = full_depth(cls, checkpoint) if depth == "full" else {}
         plans = {"ours": cls._tp_plan, "stock": stock_plan(cls)}
-        for label, plan in plans.items():
-            if plan is None:
-                results[family][label] = None  # diffusers ships no plan (MiniMax-H3)
-                continue
-            with using_plan(cls, plan):
-                model = cls.from_pretrained(checkpoint, subfolder="transformer",
-                                            parallel_config=TensorParallelConfig(mesh=mesh))
-            results[family][label] = _measure_plan(model, args, kwargs, repeats)
+        models = {label: _sharded(cls, checkpoint, plan, mesh, layers) for label, plan in plans.items() if plan}
+        seconds = _median_seconds(models, args, kwargs, repeats)
+        results[family] = {"depth": layers or "tiny"}
+        for label, plan in plans.items():  # diffusers ships no MiniMax-H3 plan: None
+            results[family][label] = plan and {**_count(models[label], args, kwargs),
+                                               "seconds_per_forward": seconds[label]}
     return results
 
 
-def measure(families: list[str] | None = None, tp: int = 2, repeats: int = 5) -> dict:
-    """Rank 0's counts and timings for every family (tiny checkpoints, `tp` CPU ranks over gloo)."""
+def measure(families: list[str] | None = None, tp: int = 2, repeats: int = 5, depth: str = "tiny") -> dict:
+    """Rank 0's counts and timings for every family (tiny widths, `tp` CPU ranks over gloo).
+
+    `depth="full"` stacks as many blocks as the real model (random weights), so counts per forward and the
+    step-time ratio are the real model's; `"tiny"` loads the tiny checkpoints as they are.
+    """
     families = list(families or tiny.FAMILIES)
     for family in families:
         tiny.cached_tiny(family)  # built here, before the ranks start
-    return {"tp": tp, "repeats": repeats, "families": run_on_cpu_ranks(_rank_job, tp, families, tp, repeats)[0]}
+    results = run_on_cpu_ranks(_rank_job, tp, families, tp, repeats, depth)[0]
+    return {"tp": tp, "repeats": repeats, "depth": depth, "families": results}
 
 
 def format_table(result: dict) -> str:
-    rows = [f"collectives per transformer forward at TP={result['tp']} (tiny checkpoints, CPU/gloo; step time: mean "
-            f"of {result['repeats']} forwards)", "",
+    rows = [f"collectives per transformer forward at TP={result['tp']} (tiny widths, {result['depth']} depth, "
+            f"CPU/gloo; step time: median of {result['repeats']} forwards, ours and stock alternating)", "",
             "| family | plan | all-reduces | all-gathers | KiB sent | s / forward | vs stock |",
             "|---|---|---:|---:|---:|---:|---:|"]
     for family, plans in result["families"].items():
         stock = plans.get("stock")
-        for label, figures in plans.items():
+        for label, figures in ((label, plans[label]) for label in ("ours", "stock")):
             if figures is None:
                 rows.append(f"| {family} | {label} | - | - | - | - | no stock plan |")
                 continue
@@ -123,9 +169,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", action="append", choices=tiny.FAMILIES, help="default: all five")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per plan")
+    parser.add_argument("--depth", choices=("tiny", "full"), default="tiny",
+                        help="full: as many blocks as the real model (tiny widths, random weights)")
     parser.add_argument("--json", action="store_true")
 
 
 def main_with(args) -> None:
-    result = measure(args.family, args.tp, args.repeats)
+    result = measure(args.family, args.tp, args.repeats, args.depth)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
