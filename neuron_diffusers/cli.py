@@ -124,6 +124,9 @@ def _generate(args) -> int:
         print(f"wrote {summary['generated']} of {summary['requests']} to {plan.out_dir} "
               f"(tp={plan.tp}, cfg={plan.cfg}, dp={plan.world_size // (plan.tp * plan.cfg)}, {plan.dtype}); "
               "summary.json", flush=True)
+    # Leave together: a rank tearing gloo down while its peer has already exited was seen to abort (SIGABRT,
+    # "terminate called without an active exception") after a finished job, and torchrun then reports a failure.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
