@@ -84,6 +84,9 @@ _OWNED_KWARGS = {
     "latents": "pass `seed`: every rank of the group must start from the same noise",
     "num_images_per_prompt": "repeat the prompt: each image gets its own seed (seed + index)",
     "callback_on_step_end": "`generate` uses the step callback to check that the group's latents agree",
+    "image": "image-conditioned generation (FLUX.2 and Qwen-Image-2.1 edits) is not supported yet: the stock "
+             "pipeline VAE-encodes the image on every rank, but only the TP leader loads a VAE (and Qwen-Image-2.1's "
+             "text encoder reads the image with the prompt). Run edits with the stock pipeline",
 }
 
 

@@ -241,6 +241,13 @@ def runner_checks(checkpoints: dict, call_kwargs: dict) -> dict:
             result["divergence"] = "not caught"
         except LatentsDivergedError as error:
             result["divergence"] = str(error)
+        result["refused"] = {}
+        for name in ("prompt_embeds", "generator", "latents", "image"):  # inputs `generate` owns or cannot run
+            try:
+                pipe.generate("a red fox", **{name: None}, **call_kwargs[family])
+                result["refused"][name] = "accepted"
+            except ValueError as error:
+                result["refused"][name] = str(error)
         report[family] = result
         del pipe, outputs
         gc.collect()

@@ -71,3 +71,13 @@ def test_divergent_noise_is_caught_at_the_first_step(runner_report, family):
         assert "Latents differ across the tensor-parallel group" in message, message
         assert "step 0" in message or "transformer call 0" in message, message
         assert "rank 1" in message and "seed" in message
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inputs_generate_owns_or_cannot_run_are_refused_with_the_reason(runner_report, family):
+    _, reports = runner_report
+    for report in reports:
+        refused = report[family]["refused"]
+        assert "encodes each prompt once on the group leader" in refused["prompt_embeds"]
+        assert "pass `seed`" in refused["generator"] and "same noise" in refused["latents"]
+        assert "only the TP leader loads a VAE" in refused["image"]
