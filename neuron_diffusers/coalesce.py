@@ -271,9 +271,7 @@ def _hoisted_forward(self, input: torch.Tensor) -> torch.Tensor:
             f"output is computed when '{self._nd_hoisted_source}' runs inside the model's forward, so it cannot be "
             f"called on its own. Call the whole model, or plan it with GatheredColwiseParallel() (no hoist_from)."
         )
-    if not torch.compiler.is_compiling() and not (
-        input.shape == self._nd_hoisted_input.shape and torch.equal(input, self._nd_hoisted_input)
-    ):
+    if not torch.compiler.is_compiling() and not torch.equal(input, self._nd_hoisted_input):  # shape included
         if not self._nd_warned:
             logger.warning(
                 "%s's input is not silu(%s output) as its plan declares: computing it with its own all-gather "

@@ -178,10 +178,7 @@ def _wrap_enable_parallelism(stock):
 def _wrap_resolve_tp_shard_specs(stock):
     """Our styles are laid out exactly like colwise (gathered) and rowwise (partial): translate, then reuse stock."""
 
-    global _stock_resolve_tp_shard_specs
-    _stock_resolve_tp_shard_specs = stock
-
-    @functools.wraps(stock)
+    @functools.wraps(stock)  # also keeps `stock` as `__wrapped__`, which `shard_specs` calls
     def resolve_tp_shard_specs(model, tp_plan, tp_degree):
         return shard_specs(model, tp_plan, tp_degree)
 
@@ -197,9 +194,8 @@ def _torch_style(style, partition: bool):
       to reduce together with its partners.
     `partition=False` (after a streaming load) keeps the weights the loader already placed as shards.
     """
-    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor import Partial, Replicate, distribute_module
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    from torch.distributed.tensor import distribute_module
 
     base = RowwiseParallel if isinstance(style, PartialRowwiseParallel) else ColwiseParallel
 
@@ -278,9 +274,6 @@ def check_plan_matches(model: torch.nn.Module, plan: dict) -> None:
             )
 
 
-_stock_resolve_tp_shard_specs = None  # set by `install()`
-
-
 def shard_specs(model: torch.nn.Module, plan: dict, tp: int, *, whole_plan: bool = True) -> dict:
     """diffusers' own layout of every planned parameter at degree `tp` (`resolve_tp_shard_specs`, our styles included).
 
@@ -289,10 +282,13 @@ def shard_specs(model: torch.nn.Module, plan: dict, tp: int, *, whole_plan: bool
     the Linear, a block that `tp` does not divide, or coalescing rules `coalesce` cannot honour
     (`whole_plan=False` skips the one check that needs every rule: which Linears a block forward reduces together).
     """
+    from diffusers.hooks import tensor_parallel
+
     check_plan_matches(model, plan)
     coalesce.check_plan(model, plan, whole_plan=whole_plan)
     layouts = {GatheredColwiseParallel: "colwise", PartialRowwiseParallel: "rowwise"}
-    return _stock_resolve_tp_shard_specs(model, {k: layouts.get(type(v), v) for k, v in plan.items()}, tp)
+    stock = tensor_parallel.resolve_tp_shard_specs.__wrapped__  # diffusers' own, under our wrapper
+    return stock(model, {k: layouts.get(type(v), v) for k, v in plan.items()}, tp)
 
 
 def style_kind(style) -> str | None:

@@ -75,7 +75,8 @@ def check_heads(checkpoint: Path, tp: int) -> None:
     check_heads_divisible(str(checkpoint), read_config(checkpoint, "transformer").get("num_attention_heads"), tp)
 
 
-# Inputs `generate` owns: passing them would bypass the one-rank encoding or the rank-consistent noise.
+# Inputs `generate` owns (passing them would bypass the one-rank encoding or the rank-consistent noise), and
+# `image`, which it cannot run yet.
 _OWNED_KWARGS = {
     "prompt": "pass prompts as the first argument",
     "prompt_embeds": "`generate` encodes each prompt once on the group leader and broadcasts the embeddings",
