@@ -1,22 +1,25 @@
-"""Tensor-parallel stock Hugging Face Diffusers pipelines on Trainium (TorchNeuron), CUDA and CPU.
+"""Stock Hugging Face Diffusers pipelines, parallel across accelerator cores: Trainium (TorchNeuron), CUDA, CPU.
 
-Importing the package extends diffusers' own `TensorParallelConfig` path (CPU meshes, checks before
-any weight is read, all-or-nothing setup; see `integration.py`). It touches no device and starts no
-process group.
+Importing the package extends diffusers' own `TensorParallelConfig` path (CPU meshes, checks before any weight is
+read, all-or-nothing setup, our plans as the classes' defaults; see `parallel/patches.py`). It touches no device
+and starts no process group. The short path: `init_distributed` -> `load_pipeline` -> `compile_repeated_blocks`
+-> `warmup` -> `pipe.generate`.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import integration
-from .distributed import init_distributed, is_main_process, is_replica_leader, is_tp_leader, rank
-from .runner import load_pipeline
+from .compile import compile_repeated_blocks, compile_report, warmup  # noqa: E402
+from .distributed import init_distributed, is_main_process, is_replica_leader, is_tp_leader, rank  # noqa: E402
+from .parallel import patches  # first: refuses an unpinned diffusers before anything else imports its privates
+from .parallel.patches import stock_plan, using_plan  # noqa: E402
+from .runner import load_pipeline  # noqa: E402
 
 try:
     __version__ = version("neuron-diffusers")
 except PackageNotFoundError:  # running from a source tree that was not pip-installed
     __version__ = "0.0.0+unknown"
 
-integration.install()
+patches.install()
 
-__all__ = ["init_distributed", "is_main_process", "is_replica_leader", "is_tp_leader", "load_pipeline", "rank",
-           "__version__"]
+__all__ = ["compile_report", "compile_repeated_blocks", "init_distributed", "is_main_process", "is_replica_leader",
+           "is_tp_leader", "load_pipeline", "rank", "stock_plan", "using_plan", "warmup", "__version__"]

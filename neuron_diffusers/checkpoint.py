@@ -1,54 +1,158 @@
-"""What a saved pipeline folder says about itself, read from its JSON files only (no weights, no imports).
+"""A model the user named, resolved once into a `Checkpoint`: its folder, pipeline index, family and configs.
 
-A stock pipeline lists its components in `model_index.json`; a modular one (MiniMax-H3) in
-`modular_model_index.json`, where an entry may name its class only inside its loading spec. Every reader of
-either goes through here.
+The user names a checkpoint folder, a Hub id or a tiny family; `resolve` turns that into a local folder, reads
+its pipeline index (`model_index.json`, or a modular pipeline's `modular_model_index.json`, where an entry may name
+its class only inside its loading spec) and finds the family. Every later step (checks, loading, the job) reads
+from that one value instead of going back to the disk, so the CLI path reads each JSON file once. No weights are
+read and nothing heavy is imported.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import tiny
+import diffusers
+import torch
+from huggingface_hub import snapshot_download
+
+from . import families, tiny
+from .distributed import check_heads_divisible
+from .families import Family
 
 INDEX_FILES = ("model_index.json", "modular_model_index.json")
 
 
-def read_index(checkpoint: Path) -> dict:
-    """The pipeline index of `checkpoint`: `model_index.json`, else `modular_model_index.json`."""
-    for name in INDEX_FILES:
-        path = Path(checkpoint) / name
-        if path.is_file():
-            return json.loads(path.read_text())
-    raise FileNotFoundError(
-        f"{checkpoint} has neither model_index.json nor modular_model_index.json: point at the folder that a "
-        f"pipeline's `save_pretrained` wrote, or name a tiny family ({', '.join(tiny.FAMILIES)})."
-    )
+@dataclass
+class Checkpoint:
+    """A local pipeline folder and what its JSON files say about it."""
+
+    path: Path
+    #: What the user named: a tiny family, a folder or a Hub id (recorded with every output).
+    source: str
+    index: dict
+    family: Family
+    _configs: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def pipeline_class_name(self) -> str:
+        """The stock pipeline's `_class_name`, or a modular pipeline's `_blocks_class_name` ("" if it names none)."""
+        return pipeline_class_name(self.index)
+
+    @functools.cached_property
+    def adapter(self):
+        """The family's pipeline adapter."""
+        return self.family.adapter()
+
+    def component_names(self) -> list[str]:
+        """The components the index lists: `[library, class, ...]` entries, not config values."""
+        return [name for name, entry in self.index.items() if not name.startswith("_") and isinstance(entry, list)]
+
+    def component_class_name(self, name: str) -> str:
+        """The diffusers class of component `name`."""
+        entry = self.index.get(name)
+        if entry is None:
+            raise ValueError(f"The pipeline index of {self.path} lists no '{name}' component.")
+        if entry[0] != "diffusers":
+            raise ValueError(f"The {name} of {self.path} is a {entry[0]}.{entry[1]}, not a diffusers model.")
+        # `[library, class]`, or a modular `[library, class, spec]` whose spec may carry the class alone.
+        return entry[1] or entry[2]["type_hint"][1]
+
+    def config(self, component: str) -> dict:
+        """`component/config.json`, read once; a missing or broken file is named in the error."""
+        if component not in self._configs:
+            path = self.path / component / "config.json"
+            try:
+                self._configs[component] = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as error:
+                raise ValueError(f"Cannot read {path}: {error}. The checkpoint is incomplete or damaged; download "
+                                 "or save it again.") from None
+        return self._configs[component]
+
+    def transformer_class(self):
+        return getattr(diffusers, self.component_class_name("transformer"))
+
+    def meta(self, component: str) -> torch.nn.Module:
+        """Component `component` built from its config on the meta device: its shapes, none of its weights."""
+        model_cls = getattr(diffusers, self.component_class_name(component))
+        with torch.device("meta"):
+            return model_cls.from_config(self.config(component))
+
+    def check_heads(self, tp: int) -> None:
+        """Reject a TP degree that does not divide the transformer's attention heads, naming the ones that do."""
+        check_heads_divisible(str(self.path), self.config("transformer").get("num_attention_heads"), tp)
+
+    def check_safetensors(self) -> None:
+        """Tensor-parallel loading streams each rank's slice out of safetensors; other formats would load whole."""
+        folder = self.path / "transformer"
+        if folder.is_dir() and not any(folder.glob("*.safetensors")):
+            raise ValueError(
+                f"{folder} has no .safetensors weights: tensor-parallel loading reads each rank's slice straight "
+                "from safetensors. Convert the checkpoint (load it and `save_pretrained(..., "
+                "safe_serialization=True)`)."
+            )
 
 
-def pipeline_class_name(checkpoint: Path) -> str:
-    """The stock pipeline's `_class_name`, or a modular pipeline's `_blocks_class_name` ("" if it names none)."""
-    index = read_index(checkpoint)
+def pipeline_class_name(index: dict) -> str:
     return index.get("_blocks_class_name", index.get("_class_name", ""))
 
 
-def component_names(checkpoint: Path) -> list[str]:
-    """The components the index lists: `[library, class, ...]` entries, not config values."""
-    return [name for name, entry in read_index(checkpoint).items() if not name.startswith("_") and isinstance(entry, list)]
+def read_index(folder: Path) -> dict:
+    """The pipeline index of `folder`: `model_index.json`, else `modular_model_index.json`."""
+    for name in INDEX_FILES:
+        path = Path(folder) / name
+        if path.is_file():
+            try:
+                return json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as error:
+                raise ValueError(f"Cannot read {path}: {error}. Save or download the checkpoint again.") from None
+    raise FileNotFoundError(
+        f"{folder} has neither model_index.json nor modular_model_index.json: point at the folder that a "
+        f"pipeline's `save_pretrained` wrote, or name a tiny family ({', '.join(families.PIPELINE_FAMILIES)})."
+    )
 
 
-def component_class_name(checkpoint: Path, name: str) -> str:
-    """The diffusers class of component `name`."""
-    entry = read_index(checkpoint).get(name)
-    if entry is None:
-        raise ValueError(f"The pipeline index of {checkpoint} lists no '{name}' component.")
-    if entry[0] != "diffusers":
-        raise ValueError(f"The {name} of {checkpoint} is a {entry[0]}.{entry[1]}, not a diffusers model.")
-    # `[library, class]`, or a modular `[library, class, spec]` whose spec may carry the class alone.
-    return entry[1] or entry[2]["type_hint"][1]
+def resolve(model: str | os.PathLike | Checkpoint) -> Checkpoint:
+    """A tiny family name (built into the cache on first use), a local folder, or a Hub id (owner/name) resolved
+    into a `Checkpoint`; a folder whose pipeline no family runs is refused here, before any weight is read."""
+    if isinstance(model, Checkpoint):
+        return model
+    source = str(model)
+    if source in families.PIPELINE_FAMILIES:
+        path = tiny.cached_tiny(source)
+    elif Path(model).is_dir():
+        path = Path(model)
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        path = _hub_snapshot(source)
+    else:
+        raise FileNotFoundError(
+            f"Model '{model}' is neither a local checkpoint folder, a Hub id (owner/name) nor a tiny family "
+            f"({', '.join(families.PIPELINE_FAMILIES)}). Pass a folder that `save_pretrained` or `hf download` wrote."
+        )
+    index = read_index(path)
+    name = pipeline_class_name(index)
+    family = families.by_pipeline_class(name)
+    if family is None:
+        supported = ", ".join(f.adapter.pipeline_class for f in families.FAMILIES if f.adapter is not None)
+        raise ValueError(
+            f"{path} holds a {name or 'pipeline without a class name'}, which neuron_diffusers does not run. "
+            f"Supported: {supported}. A new family needs a TP plan, an adapter and a record in "
+            "neuron_diffusers/families.py (docs/architecture.md, \"Where does it go\")."
+        )
+    return Checkpoint(path, source, index, family)
 
 
-def read_config(checkpoint: Path, component: str) -> dict:
-    """`component/config.json`."""
-    return json.loads((Path(checkpoint) / component / "config.json").read_text())
+def _hub_snapshot(repo_id: str) -> Path:
+    """The Hub checkpoint's local snapshot (downloaded once into the Hugging Face cache, which every rank shares)."""
+    try:
+        return Path(snapshot_download(repo_id))
+    except Exception as error:  # offline, gated, misspelt: all mean "no local copy to load"
+        raise FileNotFoundError(
+            f"Model '{repo_id}' is not a local folder and could not be fetched from the Hub "
+            f"({type(error).__name__}: {error}). Download it first (`hf download {repo_id} --local-dir DIR`) and "
+            "pass the folder."
+        ) from error

@@ -23,6 +23,10 @@ import re
 import warnings
 
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from torch._dynamo.utils import compilation_time_metrics, counters, guard_failures
+
+from .parallel import patches
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -30,7 +34,8 @@ def resolve_backend(backend: str = "auto") -> str:
     if backend != "auto":
         if backend not in torch.compiler.list_backends(exclude_tags=()):
             raise ValueError(
-                f"Unknown torch.compile backend '{backend}'. Registered: {', '.join(torch.compiler.list_backends(exclude_tags=()))}. "
+                f"Unknown torch.compile backend '{backend}'. Registered: "
+                f"{', '.join(torch.compiler.list_backends(exclude_tags=()))}. "
                 "Use 'auto' to pick neuron when TorchNeuron is installed, else inductor."
             )
         return backend
@@ -43,7 +48,9 @@ def _with_row_major_strides(tensor: torch.Tensor) -> torch.Tensor:
     Not `.contiguous()`: a `[1, n, d]` slice of a longer sequence counts as contiguous (the batch stride of a
     size-1 dimension is ignored) yet keeps the parent's batch stride, and dynamo guards on it.
     """
-    return tensor if tensor.stride() == _row_major(tensor.shape) else tensor.clone(memory_format=torch.contiguous_format)
+    if tensor.stride() == _row_major(tensor.shape):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _row_major(shape) -> tuple[int, ...]:
@@ -84,20 +91,13 @@ def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", *, block
     _warn_if_unbucketed(pipe_or_transformer)
     # A pipeline adapter may narrow the blocks to those that run at bucketed shapes (MiniMax-H3: not its refiner).
     chosen = blocks or getattr(getattr(pipe_or_transformer, "adapter", None), "compiled_blocks", None)
-    block_classes = list(chosen or getattr(transformer, "_repeated_blocks", ()) or ())
+    block_classes = list(chosen or patches.repeated_blocks(transformer))
     for module in transformer.modules():
         if type(module).__name__ in block_classes:
+            # A torch pre-hook, the same compiler-disabled function on every block: one graph serves them all.
             module.register_forward_pre_hook(_row_major_block_inputs, with_kwargs=True)
     options = {"fullgraph": True, "dynamic": False, **torch_compile_kwargs}
-    stock_blocks = transformer.__dict__.get("_repeated_blocks")
-    transformer._repeated_blocks = block_classes  # stock compiles the classes this names
-    try:
-        transformer.compile_repeated_blocks(backend=resolve_backend(backend), **options)
-    finally:
-        if stock_blocks is None:
-            del transformer._repeated_blocks
-        else:
-            transformer._repeated_blocks = stock_blocks
+    patches.compile_blocks(transformer, block_classes, backend=resolve_backend(backend), **options)
     return transformer
 
 
@@ -167,8 +167,6 @@ def _allow_graphs(count: int) -> None:
 
 def compile_report() -> dict:
     """What dynamo did in this process so far: graphs, graph breaks, recompiles (with reasons), compile seconds."""
-    from torch._dynamo.utils import compilation_time_metrics, counters, guard_failures
-
     # Each recompilation checks (and logs a failure for) every graph the function already has, tagged
     # "frame/graph:"; the failure against its first graph ("F/0:") marks one recompilation and says what changed.
     recompiles = [
@@ -183,25 +181,30 @@ def compile_report() -> dict:
     }
 
 
-class RecompileGuard:
+class RecompileGuard(ModelHook):
     """After warm-up, a recompile is a bug: warn once per new reason (`mode="warn"`), or raise (`mode="raise"`).
 
-    Installed as a forward hook on the transformer (outside the compiled blocks): after each forward it scans
-    dynamo's guard-failure log, which stays a few entries long when nothing recompiles. It reports after the
-    forward that recompiled, with dynamo's own words for what changed (input, expected and actual size or stride).
+    A named hook on the transformer (`RECOMPILE_GUARD`, outside the compiled blocks; a later warm-up replaces it):
+    after each forward it scans dynamo's guard-failure log, which stays a few entries long when nothing recompiles.
+    It reports after the forward that recompiled, with dynamo's own words for what changed (input, expected and
+    actual size or stride).
     """
 
     def __init__(self, transformer: torch.nn.Module, mode: str = "warn"):
+        super().__init__()
         if mode not in ("warn", "raise"):
             raise ValueError(f"RecompileGuard mode must be 'warn' or 'raise', got {mode!r}.")
         self.mode = mode
         self._seen = compile_report()["recompiles"]
-        self._handle = transformer.register_forward_hook(self._after_forward)
+        self._registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        if self._registry.get_hook(RECOMPILE_GUARD) is not None:
+            self._registry.remove_hook(RECOMPILE_GUARD)
+        self._registry.register_hook(self, RECOMPILE_GUARD)
 
-    def _after_forward(self, module, args, output) -> None:
+    def post_forward(self, module, output):
         report = compile_report()
         if report["recompiles"] == self._seen:
-            return
+            return output
         new = report["recompile_reasons"][self._seen:]
         self._seen = report["recompiles"]
         message = "A compiled block recompiled after warm-up:\n" + "\n".join(f"- {r}" for r in new) + (
@@ -210,6 +213,11 @@ class RecompileGuard:
         if self.mode == "raise":
             raise RuntimeError(message)
         warnings.warn(message, stacklevel=2)
+        return output
 
     def remove(self) -> None:
-        self._handle.remove()
+        if self._registry.get_hook(RECOMPILE_GUARD) is self:
+            self._registry.remove_hook(RECOMPILE_GUARD)
+
+
+RECOMPILE_GUARD = "neuron_diffusers.recompile_guard"

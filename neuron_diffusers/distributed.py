@@ -4,7 +4,7 @@ One function, `init_distributed`, serves a plain `python` process (world size 1)
 `torchrun --nproc_per_node=N [--nnodes=M]` alike, so a script written for N ranks also runs alone.
 
 A *replica* is the set of ranks that shares one `dp` coordinate: one TP group, or with `cfg=2` a CFG pair of TP
-groups that compute the two branches of true classifier-free guidance side by side (see `cfg_parallel.py`).
+groups that compute the two branches of true classifier-free guidance side by side (see `parallel/cfg.py`).
 """
 
 from __future__ import annotations
@@ -70,6 +70,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_heads_divisible(model_name: str, num_heads: int | None, tp: int) -> None:
+    """Each rank must own whole attention heads; name the TP degrees that work."""
+    if num_heads is not None and num_heads % tp != 0:
+        raise ValueError(
+            f"A tensor-parallel degree of {tp} does not divide the {num_heads} attention heads of {model_name}: "
+            f"each rank must own whole heads. Valid degrees for this model: {divisors(num_heads)}."
+        )
+
+
 def check_tp_degree(tp: int, world_size: int) -> None:
     """Reject a TP degree that cannot tile the world, naming the ones that can."""
     if tp < 1 or world_size % tp != 0:
@@ -130,6 +139,13 @@ def init_distributed(tp: int | None = None, *, cfg: int = 1, timeout_s: float = 
     )
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on for `mesh`: its own accelerator, or the CPU."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
 def rank() -> int:
     """Global rank; 0 when no process group has been started."""
     return dist.get_rank() if dist.is_initialized() else 0
@@ -175,7 +191,8 @@ def broadcast_object_from_replica_leader(obj, mesh: DeviceMesh):
     return box[0]
 
 
-def broadcast_from_leader(tensors: dict[str, torch.Tensor] | None, group, device: torch.device) -> dict[str, torch.Tensor]:
+def broadcast_from_leader(tensors: dict[str, torch.Tensor] | None, group,
+                          device: torch.device) -> dict[str, torch.Tensor]:
     """The group leader's (group rank 0) `tensors`, on `device`, on every rank of `group`.
 
     Only the leader passes `tensors` (the others pass `None`): names, shapes and dtypes go first as one small

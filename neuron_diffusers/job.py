@@ -13,17 +13,38 @@ guidance-distilled family) needs no pairs: it runs on the ("dp", "tp") mesh, the
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
 
 from . import __version__, tiny
-from .pipelines import adapter_for
+from .checkpoint import Checkpoint, resolve
+from .cli import positive_int
+from .compile import compile_repeated_blocks, compile_report, resolve_backend, warmup
+from .distributed import (
+    broadcast_object_from_replica_leader,
+    cfg_rank,
+    check_cfg_degree,
+    check_tp_degree,
+    detect_runtime,
+    init_distributed,
+    is_main_process,
+    is_replica_leader,
+    is_tp_leader,
+)
+from .media import save_json
+from .runner import load_pipeline
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale"}
 
@@ -53,11 +74,9 @@ class Request:
 class JobPlan:
     """Everything `run_job` needs, all of it checked."""
 
-    checkpoint: Path
-    family: str | None
+    checkpoint: Checkpoint
     requests: list[Request]
     out_dir: Path
-    suffix: str
     tp: int
     world_size: int
     dtype: str
@@ -80,7 +99,8 @@ def read_prompt_file(path: Path) -> list[dict]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"--prompts {path} cannot be read: {error}. Check the path and that it is UTF-8 text.")
+        raise ValueError(f"--prompts {path} cannot be read: {error}. Check the path and that it is UTF-8 "
+                         "text.") from None
     entries = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -93,7 +113,7 @@ def read_prompt_file(path: Path) -> list[dict]:
             entry = json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{where} is not valid JSON ({error.msg}): each line must be one JSON object such as "
-                             '{"prompt": "a red fox", "seed": 3}.')
+                             '{"prompt": "a red fox", "seed": 3}.') from None
         if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
             raise ValueError(f"{where} has no string 'prompt': each line must be an object with a 'prompt'.")
         unknown = set(entry) - JSONL_KEYS
@@ -157,16 +177,6 @@ def check_out_dir(out_dir: Path) -> None:
         raise PermissionError(f"--out {out_dir}: {existing} is not writable. Choose another output folder.")
 
 
-def check_safetensors(checkpoint: Path) -> None:
-    """Tensor-parallel loading streams each rank's slice out of safetensors; other formats would load whole."""
-    folder = checkpoint / "transformer"
-    if folder.is_dir() and not any(folder.glob("*.safetensors")):
-        raise ValueError(
-            f"{folder} has no .safetensors weights: tensor-parallel loading reads each rank's slice straight from "
-            "safetensors. Convert the checkpoint (load it and `save_pretrained(..., safe_serialization=True)`)."
-        )
-
-
 def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dict[str, str]:
     """The PNG text chunks (MP4 metadata for video): enough to regenerate the output."""
     values = {
@@ -177,7 +187,7 @@ def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dic
         "size": f"{request.width}x{request.height}",
         "guidance": "" if request.guidance is None else request.guidance,
         "true_cfg_scale": "" if request.true_cfg_scale is None else request.true_cfg_scale,
-        "model": plan.settings.get("model", str(plan.checkpoint)),
+        "model": plan.checkpoint.source,
         "tp": plan.tp,
         "dp": dp,
         "cfg": cfg,
@@ -189,10 +199,6 @@ def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dic
 
 def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     """Resolve and check everything a run needs, reading no weight and starting no process group."""
-    from .compile import resolve_backend
-    from .distributed import check_cfg_degree, check_tp_degree
-    from .runner import check_heads, resolve_model
-
     if args.warmup and not args.compile:
         raise ValueError("--warmup compiles shapes up front, so it needs --compile [BACKEND].")
     if args.compile:
@@ -205,10 +211,10 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     pairs = 2 if args.cfg_parallel else 1
     tp = args.tp or max(world_size // pairs, 1)
     check_tp_degree(tp, world_size)
-    checkpoint = resolve_model(args.model)
-    check_safetensors(checkpoint)
-    check_heads(checkpoint, tp)
-    adapter = adapter_for(checkpoint)
+    checkpoint = resolve(args.model)
+    checkpoint.check_safetensors()
+    checkpoint.check_heads(tp)
+    adapter = checkpoint.adapter
     if args.negative_prompt is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")
     if args.guidance is not None and adapter.guidance_kwarg is None:
@@ -218,24 +224,24 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     if args.true_cfg_scale is not None and adapter.guidance_kwarg == "true_cfg_scale":
         raise ValueError(f"For {adapter.pipeline_class}, --guidance sets true_cfg_scale: use --guidance "
                          f"{args.true_cfg_scale:g} instead of --true-cfg-scale.")
-    family = args.model if args.model in tiny.FAMILIES else None
-    default_height, default_width = tiny.default_size(family) if family else (1024, 1024)
+    # A tiny model runs at its own small size unless told otherwise; a real one at 1024 x 1024.
+    tiny_model = args.model in tiny.FAMILIES
+    default_height, default_width = tiny.default_size(args.model) if tiny_model else (1024, 1024)
     requests = build_requests(
         entries, seed=args.seed, height=args.height or default_height, width=args.width or default_width,
         steps=args.steps, guidance=args.guidance, negative_prompt=args.negative_prompt,
         multiple=adapter.size_multiple(checkpoint), true_cfg_scale=args.true_cfg_scale,
     )
-    true_cfg = frozenset(r.index for r in requests if adapter.uses_true_cfg(r.negative_prompt, _call_kwargs(r, adapter)))
+    true_cfg = frozenset(r.index for r in requests
+                         if adapter.uses_true_cfg(r.negative_prompt, _call_kwargs(r, adapter)))
     notes = []
     if pairs > 1 and not true_cfg:
         notes.append(_no_pairs_note(adapter, world_size, tp))
         pairs = 1
     check_cfg_degree(pairs, tp, world_size)  # only once pairs are known to be needed: a fallback runs on any world
-    suffix = ".mp4" if adapter.pipeline_class == "MiniMaxH3Blocks" else ".png"
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
-    return JobPlan(checkpoint, family, requests, args.out, suffix, tp, world_size, dtype,
-                   settings={"model": args.model, "compile": args.compile, "warmup": args.warmup},
-                   cfg=pairs, true_cfg=true_cfg, notes=notes)
+    return JobPlan(checkpoint, requests, args.out, tp, world_size, dtype,
+                   settings={"compile": args.compile, "warmup": args.warmup}, cfg=pairs, true_cfg=true_cfg, notes=notes)
 
 
 def _no_pairs_note(adapter, world_size: int, tp: int) -> str:
@@ -273,20 +279,14 @@ def pair_work(requests: list[Request], plan: JobPlan, cfg_rank: int) -> list[tup
 def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm: bool, timeout_s: float) -> dict:
     """Generate this process's share of the requests (its replica's, see `pair_work`); rank 0 returns (and writes)
     the summary."""
-    import torch.distributed as dist
-
-    from .compile import compile_report
-    from .distributed import (broadcast_object_from_replica_leader, cfg_rank, init_distributed, is_main_process,
-                              is_replica_leader, is_tp_leader)
-    from .media import save_json
-
     mesh = init_distributed(tp=plan.tp, cfg=plan.cfg, timeout_s=timeout_s)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     leader = is_tp_leader(mesh)
+    suffix = plan.checkpoint.adapter.output_suffix
     mine = plan.requests[dp_rank::dp]
     # The replica's leader decides what is left to do (the replica writes into one folder) and tells the replica.
     todo = broadcast_object_from_replica_leader(
-        [r for r in mine if overwrite or not (plan.out_dir / r.file_name(plan.suffix)).exists()]
+        [r for r in mine if overwrite or not (plan.out_dir / r.file_name(suffix)).exists()]
         if is_replica_leader(mesh) else None, mesh)
     work = pair_work(todo, plan, cfg_rank(mesh))
 
@@ -305,15 +305,6 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
 
 def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compile_backend, warm: bool, dp: int):
     """Load, compile, and generate this TP group's `work`; returns the saved images' records and the phases."""
-    import torch.distributed as dist
-
-    from tqdm.auto import tqdm
-
-    from .compile import compile_repeated_blocks, warmup
-    from .distributed import is_main_process
-    from .media import save_png, save_video
-    from .runner import load_pipeline
-
     pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype))
     compile_start = time.perf_counter()
     if compile_backend:
@@ -336,9 +327,8 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
                                 alone=not with_partner, **_call_kwargs(request, pipe.adapter))
         if outputs is not None:  # the rank that holds the image saves it
             save_start = time.perf_counter()
-            path = plan.out_dir / request.file_name(plan.suffix)
-            save = save_video if plan.suffix == ".mp4" else save_png
-            save(outputs[0], path, text=settings_text(request, plan, dp, cfg=2 if with_partner else 1))
+            path = plan.out_dir / request.file_name(pipe.adapter.output_suffix)
+            pipe.adapter.save(outputs[0], path, text=settings_text(request, plan, dp, cfg=2 if with_partner else 1))
             images.append({**asdict(request), "file": path.name, "seconds": round(time.perf_counter() - start, 4),
                            "save_seconds": round(time.perf_counter() - save_start, 4), "rank": dist.get_rank(),
                            "cfg_parallel": with_partner})
@@ -373,8 +363,8 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
     leaders = [entry for entry in gathered if entry is not None]
     images = sorted((image for entry in leaders for image in entry["images"]), key=lambda image: image["index"])
     return {
-        "model": plan.settings.get("model"),
-        "checkpoint": str(plan.checkpoint),
+        "model": plan.checkpoint.source,
+        "checkpoint": str(plan.checkpoint.path),
         "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size},
         "dtype": plan.dtype,
         "neuron_diffusers": __version__,
@@ -398,3 +388,77 @@ def format_phases(summary: dict) -> str:
         values = [None if group is None else group[phase] for group in groups]
         rows.append(f"| {phase} (s) | " + " | ".join("-" if v is None else f"{v:.3f}" for v in values) + " |")
     return "\n".join(rows)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="flux",
+                        help="checkpoint folder, or a tiny family name built offline (default: flux, a tiny FLUX.1)")
+    parser.add_argument("--prompt", default=None, help="one prompt (or use --prompts)")
+    parser.add_argument("--prompts", type=Path, default=None,
+                        help=".txt (one prompt a line) or .jsonl (prompt, negative_prompt, seed, height, width, steps, "
+                             "guidance per line)")
+    parser.add_argument("--negative-prompt", default=None,
+                        help="for true classifier-free guidance (Qwen-Image, Qwen-Image-2.1; FLUX.1 with "
+                             "true_cfg_scale)")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="folder: one PNG per prompt (H3: MP4 + WAV), named from its index and prompt, "
+                             "+ summary.json")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="regenerate outputs that already exist (default: skip)")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="guidance scale (FLUX: guidance_scale; Qwen-Image / 2.1: true_cfg_scale)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=positive_int, default=None,
+                        help="tensor-parallel degree (default: all ranks; with --cfg-parallel half of them)")
+    parser.add_argument("--cfg-parallel", action="store_true",
+                        help="true CFG (negative prompt, scale > 1): compute cond and uncond on two TP groups at once; "
+                             "needs a multiple of 2 x tp ranks. Requests without true CFG use the pairs as data "
+                             "parallelism")
+    parser.add_argument("--true-cfg-scale", type=float, default=None,
+                        help="FLUX.1's true CFG scale (with --negative-prompt); Qwen-Image / 2.1 take it from "
+                             "--guidance")
+    parser.add_argument("--height", type=positive_int, default=None)
+    parser.add_argument("--width", type=positive_int, default=None)
+    parser.add_argument("--steps", type=positive_int, default=4)
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="default: bfloat16 on an accelerator, float32 on CPU")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds any collective may wait")
+    parser.add_argument("--compile", nargs="?", const="auto", default=None, metavar="BACKEND",
+                        help="compile the transformer's repeated blocks (default backend: neuron if present, else "
+                             "inductor)")
+    parser.add_argument("--warmup", action="store_true",
+                        help="with --compile: compile the requested size and every text-length bucket before "
+                             "generating")
+
+
+def main(args: argparse.Namespace) -> int:
+    """`neuron-diffusers generate`: the job, alone or under torchrun; exit status 1 when a rank failed."""
+    runtime = detect_runtime()
+    # Every check runs here, before the process group starts or any weight is read. Every rank resolves the
+    # model itself: a tiny family is built into the cache by whichever rank renames its build into place first.
+    plan = plan_job(args, runtime.world_size, runtime.device_type)
+    if runtime.rank == 0:
+        for note in plan.notes:
+            print(f"neuron-diffusers generate: note: {note}", file=sys.stderr, flush=True)
+    try:
+        summary = run_job(plan, overwrite=args.overwrite, compile_backend=args.compile, warm=args.warmup,
+                          timeout_s=args.timeout)
+    except (RuntimeError, dist.DistError) as error:
+        # Most often another rank died and a collective failed or timed out: what was written is complete
+        # (atomic writes), and the same command resumes.
+        print(f"neuron-diffusers generate: error on rank {runtime.rank}: {error}\nOutputs written so far are "
+              "complete; rerun the same command to generate the rest.", file=sys.stderr, flush=True)
+        return 1
+    if summary is not None:
+        print(format_phases(summary))
+        if summary["compile"]:
+            report = {k: v for k, v in summary["compile"].items() if k != "recompile_reasons"}
+            print(f"compile report: {json.dumps(report)}")
+        print(f"wrote {summary['generated']} of {summary['requests']} to {plan.out_dir} "
+              f"(tp={plan.tp}, cfg={plan.cfg}, dp={plan.world_size // (plan.tp * plan.cfg)}, {plan.dtype}); "
+              "summary.json", flush=True)
+    # Leave together: a rank tearing gloo down while its peer has already exited was seen to abort (SIGABRT,
+    # "terminate called without an active exception") after a finished job, and torchrun then reports a failure.
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

@@ -63,7 +63,7 @@ def _staged(paths: Sequence[Path]) -> Iterator[list[Path]]:
             os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             temps.append(temp)
         yield temps
-        for temp, path in zip(temps, paths):
+        for temp, path in zip(temps, paths, strict=True):
             os.replace(temp, path)
             renamed.append(path)
     except BaseException:
@@ -94,7 +94,8 @@ def save_json(data: Mapping, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def save_video(video: VideoWithAudio, path: str | os.PathLike[str], text: Mapping[str, str] | None = None) -> list[Path]:
+def save_video(video: VideoWithAudio, path: str | os.PathLike[str],
+               text: Mapping[str, str] | None = None) -> list[Path]:
     """Write `video` to `path` (an .mp4) and, when it has audio, the audio to `path` with a .wav suffix.
 
     `text` goes into the MP4's metadata (custom keys kept with `movflags=use_metadata_tags`), as PNG text

@@ -6,74 +6,36 @@ encodes each prompt once and broadcasts the embeddings → every rank denoises t
 stock pipeline, checking that the group's latents agree → the leader decodes and returns the image.
 
 On a ("dp", "cfg", "tp") mesh (`init_distributed(cfg=2)`) each replica is a CFG pair of TP groups. A call with true
-classifier-free guidance runs each image on both groups, one guidance branch each (`cfg_parallel.py`); a call
+classifier-free guidance runs each image on both groups, one guidance branch each (`parallel/cfg.py`); a call
 without it gives each group its own images, so the second group is extra data parallelism instead of idle.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from diffusers import TensorParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import tiny
-from .checkpoint import component_class_name, read_config
-from .cfg_parallel import cfg_parallel_transformer, swap_branches
+from .checkpoint import Checkpoint, resolve
 from .consistency import LatentAgreement
-from .distributed import (broadcast_from_leader, cfg_rank, cfg_size, init_distributed, is_replica_leader, is_tp_leader,
-                          rank)
-from .integration import check_heads_divisible, mesh_device
-from .pipelines import adapter_for
+from .distributed import (
+    broadcast_from_leader,
+    cfg_rank,
+    cfg_size,
+    init_distributed,
+    is_replica_leader,
+    is_tp_leader,
+    mesh_device,
+    rank,
+)
+from .parallel.cfg import cfg_parallel_transformer, swap_branches
+from .pipelines import PipelineAdapter
 from .timing import PhaseTimes
-
-
-def resolve_model(model: str | os.PathLike) -> Path:
-    """A local checkpoint folder, or a tiny family name (built into the cache on first use)."""
-    if str(model) in tiny.FAMILIES:
-        path = tiny.cached_tiny(str(model))
-    elif Path(model).is_dir():
-        path = Path(model)
-    elif re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
-        path = _hub_snapshot(str(model))
-    else:
-        raise FileNotFoundError(
-            f"Model '{model}' is neither a local checkpoint folder, a Hub id (owner/name) nor a tiny family "
-            f"({', '.join(tiny.FAMILIES)}). Pass a folder that `save_pretrained` or `hf download` wrote."
-        )
-    adapter_for(path)  # a folder without a pipeline index, or an unsupported family, fails here
-    return path
-
-
-def _hub_snapshot(repo_id: str) -> Path:
-    """The Hub checkpoint's local snapshot (downloaded once into the Hugging Face cache, which every rank shares)."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id))
-    except Exception as error:  # offline, gated, misspelt: all mean "no local copy to load"
-        raise FileNotFoundError(
-            f"Model '{repo_id}' is not a local folder and could not be fetched from the Hub "
-            f"({type(error).__name__}: {error}). Download it first (`hf download {repo_id} --local-dir DIR`) and "
-            "pass the folder."
-        ) from error
-
-
-def transformer_class(checkpoint: Path):
-    import diffusers
-
-    return getattr(diffusers, component_class_name(checkpoint, "transformer"))
-
-
-def check_heads(checkpoint: Path, tp: int) -> None:
-    """Reject a TP degree that does not divide the checkpoint's attention heads, before the process group starts."""
-    check_heads_divisible(str(checkpoint), read_config(checkpoint, "transformer").get("num_attention_heads"), tp)
-
 
 # Inputs `generate` owns (passing them would bypass the one-rank encoding or the rank-consistent noise), and
 # `image`, which it cannot run yet.
@@ -100,7 +62,7 @@ class TPPipeline:
     own leader with its own encoder and VAE, so either group can also serve requests alone.
     """
 
-    adapter: object
+    adapter: PipelineAdapter
     pipe: object
     encoder: object | None
     mesh: DeviceMesh
@@ -191,7 +153,8 @@ class TPPipeline:
             return [None] * count
         if not self.adapter.takes_negative_prompt:
             raise ValueError(
-                f"{self.adapter.pipeline_class} is guidance-distilled and takes no negative prompt: drop `negative_prompt`."
+                f"{self.adapter.pipeline_class} is guidance-distilled and takes no negative prompt: drop "
+                "`negative_prompt`."
             )
         negatives = [negative_prompt] * count if isinstance(negative_prompt, str) else list(negative_prompt)
         if len(negatives) != count:
@@ -228,7 +191,7 @@ def _check_cfg_parallel_kwargs(pipeline_kwargs: dict) -> None:
 
 
 def load_pipeline(
-    model: str | os.PathLike,
+    model: str | os.PathLike | Checkpoint,
     mesh: DeviceMesh | None = None,
     torch_dtype: torch.dtype | None = None,
     *,
@@ -236,25 +199,25 @@ def load_pipeline(
 ) -> TPPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over `mesh["tp"]`.
 
-    `mesh` defaults to `init_distributed()` (all ranks in one TP group). Only the TP group's leader loads the text
-    encoder (on CPU) and the VAE; on a ("dp", "cfg", "tp") mesh each TP group of a CFG pair has its own leader, so
-    the pair can split requests that do not use true CFG (a ("dp", "tp") mesh of the same size loads the same). `buckets` overrides the family's static text lengths (`()` turns padding off).
+    `model` is a checkpoint folder, a Hub id, a tiny family name, or an already resolved `Checkpoint`. `mesh`
+    defaults to `init_distributed()` (all ranks in one TP group). Only the TP group's leader loads the text encoder
+    (on CPU) and the VAE; on a ("dp", "cfg", "tp") mesh each TP group of a CFG pair has its own leader, so the pair
+    can split requests that do not use true CFG (a ("dp", "tp") mesh of the same size loads the same). `buckets`
+    overrides the family's static text lengths (`()` turns padding off).
     """
-    from diffusers import TensorParallelConfig
-
-    checkpoint = resolve_model(model)
-    adapter = adapter_for(checkpoint)
+    checkpoint = resolve(model)
+    adapter = checkpoint.adapter
     mesh = init_distributed() if mesh is None else mesh
     tp_mesh = mesh["tp"]
     device = mesh_device(tp_mesh)
     leader = is_tp_leader(mesh)
     # A TP degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is
-    # read (see `integration.check_heads_divisible`).
+    # read (see `parallel/patches.py`).
     parallel = {"parallel_config": TensorParallelConfig(mesh=tp_mesh)} if tp_mesh.size() > 1 else {}
     times = PhaseTimes()
     with times.phase("load transformer (sharded)"):
-        transformer = transformer_class(checkpoint).from_pretrained(
-            checkpoint, subfolder="transformer", dtype=torch_dtype, **parallel
+        transformer = checkpoint.transformer_class().from_pretrained(
+            checkpoint.path, subfolder="transformer", dtype=torch_dtype, **parallel
         )
         if not parallel:
             transformer.to(device)

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from neuron_diffusers.verify_cases import predictions
+from neuron_diffusers.tools.plan.cases import predictions
 
 
 def _forward(model, args, kwargs) -> tuple[torch.Tensor, ...]:
@@ -15,11 +15,16 @@ def _forward(model, args, kwargs) -> tuple[torch.Tensor, ...]:
 
 
 def _max_diff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def _stale_hoisted(model) -> list[str]:
+    """Hoisted Linears still holding an output outside a forward (there must be none)."""
+    return [n for n, m in model.named_modules() if getattr(getattr(m, "_nd_hoist", None), "output", None) is not None]
 
 
 def _count(model, args, kwargs) -> dict:
-    from neuron_diffusers.bench_collectives import CollectiveCounter
+    from neuron_diffusers.tools.bench.collectives import CollectiveCounter
 
     counter = CollectiveCounter()
     with torch.no_grad(), counter:
@@ -31,7 +36,7 @@ def _zero_cond_qwen(checkpoint, mesh, plan, call) -> dict:
     """Qwen-Image with `zero_cond_t` (txt_mod and norm_out read half of temb's batch), sharded in memory."""
     from diffusers import QwenImageTransformer2DModel, TensorParallelConfig
 
-    from neuron_diffusers.tp_plans import using_plan
+    from neuron_diffusers import using_plan
 
     config = {**QwenImageTransformer2DModel.load_config(checkpoint, subfolder="transformer"), "zero_cond_t": True}
     torch.manual_seed(0)
@@ -67,23 +72,24 @@ class _ThreeOutputs:
 
 def coalesce_checks(checkpoints: dict, calls: dict) -> dict:
     """Ours vs stock TP for every family, and the coalescing styles' guards, on 2 CPU ranks."""
-    import neuron_diffusers as nd
     from diffusers import TensorParallelConfig
 
-    from neuron_diffusers import coalesce
-    from neuron_diffusers.runner import transformer_class
-    from neuron_diffusers.tp_plans import GatheredColwiseParallel, stock_plan, using_plan
+    import neuron_diffusers as nd
+    from neuron_diffusers import stock_plan, using_plan
+    from neuron_diffusers.checkpoint import resolve
+    from neuron_diffusers.parallel import coalesce
+    from neuron_diffusers.tp_plans import GatheredColwiseParallel
 
     mesh = nd.init_distributed(tp=2)["tp"]
     report = {}
     models = {}
     for family, checkpoint in checkpoints.items():
         args, kwargs, single = calls[family]
-        cls = transformer_class(checkpoint)
+        cls = resolve(checkpoint).transformer_class()
         ours = cls.from_pretrained(checkpoint, subfolder="transformer", parallel_config=TensorParallelConfig(mesh=mesh))
         out = _forward(ours, args, kwargs)
         entry = {"vs_single": _max_diff(out, single), "calls": _count(ours, args, kwargs),
-                 "stale": [n for n, m in ours.named_modules() if getattr(m, "_nd_hoisted", None) is not None]}
+                 "stale": _stale_hoisted(ours)}
         # diffusers has no MiniMax-H3 plan: there the reference is ours with one collective per Linear, as stock does.
         reference_plan = stock_plan(cls) or _uncoalesced(cls._tp_plan)
         with using_plan(cls, reference_plan):
@@ -112,12 +118,13 @@ def coalesce_checks(checkpoints: dict, calls: dict) -> dict:
     except ValueError as error:
         report["ip_adapter"] = str(error)
     attn.processor = stock_processor
-    report["after_error_stale"] = [n for n, m in flux.named_modules() if getattr(m, "_nd_hoisted", None) is not None]
+    report["after_error_stale"] = _stale_hoisted(flux)
     report["after_error_diff"] = _max_diff(_forward(flux, *calls["flux"][:2]), calls["flux"][2])
 
-    qwen_cls = transformer_class(checkpoints["qwenimage"])
+    qwen_cls = resolve(checkpoints["qwenimage"]).transformer_class()
     report["zero_cond_t"] = _zero_cond_qwen(checkpoints["qwenimage"], mesh, qwen_cls._tp_plan, calls["qwenimage"])
-    misdeclared = {**qwen_cls._tp_plan, "transformer_blocks.*.txt_mod.1": GatheredColwiseParallel(hoist_from="time_text_embed")}
+    misdeclared = {**qwen_cls._tp_plan,
+                   "transformer_blocks.*.txt_mod.1": GatheredColwiseParallel(hoist_from="time_text_embed")}
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -125,7 +132,8 @@ def coalesce_checks(checkpoints: dict, calls: dict) -> dict:
     report["misdeclared"] = {**_zero_cond_qwen(checkpoints["qwenimage"], mesh, misdeclared, calls["qwenimage"]),
                              "warnings": warnings}
 
-    failing = transformer_class(checkpoints["flux"]).from_pretrained(checkpoints["flux"], subfolder="transformer")
+    failing = resolve(checkpoints["flux"]).transformer_class().from_pretrained(checkpoints["flux"],
+                                                                               subfolder="transformer")
     classes = [type(m) for m in failing.modules()]
     install = coalesce.install
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from neuron_diffusers.verify_cases import predictions
+from neuron_diffusers.tools.plan.cases import predictions
 
 
 def _load_tp(checkpoint, mesh):
     from diffusers import TensorParallelConfig
 
-    from neuron_diffusers.runner import transformer_class
+    from neuron_diffusers.checkpoint import resolve
 
-    cls = transformer_class(checkpoint)
+    cls = resolve(checkpoint).transformer_class()
     model = cls.from_pretrained(checkpoint, subfolder="transformer", parallel_config=TensorParallelConfig(mesh=mesh))
     return cls, model
 
@@ -22,7 +22,7 @@ def _max_diff(model, call) -> float:
     with torch.no_grad():
         outputs = predictions(model(*args, **kwargs))
     assert len(outputs) == len(reference) > 0
-    return max((out - ref).abs().max().item() for out, ref in zip(outputs, reference))
+    return max((out - ref).abs().max().item() for out, ref in zip(outputs, reference, strict=True))
 
 
 def _shard_report(model, plan, tp) -> dict:
@@ -45,9 +45,10 @@ def _shard_report(model, plan, tp) -> dict:
 
 def spine_checks(checkpoints: dict, calls: dict) -> dict:
     """Everything the spine promises on 2 CPU ranks, in one spawn (each spawn costs seconds of imports)."""
-    import neuron_diffusers as nd
     import safetensors
     from diffusers import TensorParallelConfig
+
+    import neuron_diffusers as nd
 
     report = {}
     mesh = nd.init_distributed(tp=2)
@@ -61,8 +62,8 @@ def spine_checks(checkpoints: dict, calls: dict) -> dict:
         report[family] = {"diff": _max_diff(model, calls[family]), **_shard_report(model, cls._tp_plan, 2)}
 
     # `enable_parallelism` on a model already in memory, and all-or-nothing on failure.
-    from diffusers import FluxTransformer2DModel
     import torch.distributed.tensor.parallel as tp_api
+    from diffusers import FluxTransformer2DModel
 
     flux = checkpoints["flux"]
     model = FluxTransformer2DModel.from_pretrained(flux, subfolder="transformer")
@@ -129,11 +130,11 @@ def spine_checks(checkpoints: dict, calls: dict) -> dict:
 
 def plan_checks(checkpoints: dict, calls: dict, checkpoint_missing_a_key) -> dict:
     """Our plans for every family at TP=2 and TP=4 (on 4 ranks), and the checks made before any weight is read."""
-    import neuron_diffusers as nd
     import safetensors
     from diffusers import TensorParallelConfig
 
-    from neuron_diffusers.tp_plans import stock_plan, using_plan
+    import neuron_diffusers as nd
+    from neuron_diffusers import stock_plan, using_plan
 
     report = {}
     for tp in (2, 4):
@@ -148,9 +149,9 @@ def plan_checks(checkpoints: dict, calls: dict, checkpoint_missing_a_key) -> dic
             if family == "h3":
                 report["h3_heads", tp] = {m.heads for m in model.modules() if type(m).__name__ == "MiniMaxH3Attention"}
 
-    from neuron_diffusers.runner import transformer_class
+    from neuron_diffusers.checkpoint import resolve
 
-    cls = transformer_class(checkpoints["flux"])
+    cls = resolve(checkpoints["flux"]).transformer_class()
     tp_mesh = nd.init_distributed(tp=2)["tp"]
 
     class _ThreeRankMesh:
@@ -259,7 +260,7 @@ def compile_checks(checkpoints: dict, call_kwargs: dict, load_kwargs: dict, prom
     import torch
 
     import neuron_diffusers as nd
-    from neuron_diffusers.compile import compile_report, compile_repeated_blocks, warmup
+    from neuron_diffusers.compile import compile_repeated_blocks, compile_report, warmup
 
     mesh = nd.init_distributed(tp=2)
     report = {}
@@ -399,7 +400,7 @@ def _proxy_checks(real_transformer, group) -> dict:
 
     import torch.distributed as dist
 
-    from neuron_diffusers.cfg_parallel import CFGParallelTransformer, cfg_parallel_transformer
+    from neuron_diffusers.parallel.cfg import CFGParallelTransformer, cfg_parallel_transformer
 
     rank = dist.get_rank()
     text, negative = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(1)), torch.randn(
@@ -454,7 +455,7 @@ def _compiled_cfg_parallel(pipe, call: dict) -> dict:
     and the image of the uncompiled model."""
     import numpy as np
 
-    from neuron_diffusers.compile import compile_report, compile_repeated_blocks, warmup
+    from neuron_diffusers.compile import compile_repeated_blocks, compile_report, warmup
 
     kwargs = dict(call, negative_prompt=CFG_NEGATIVE, output_type="np")
     eager = pipe.generate(CFG_PROMPT, seed=0, **kwargs)
@@ -466,7 +467,8 @@ def _compiled_cfg_parallel(pipe, call: dict) -> dict:
     compiled = pipe.generate(CFG_PROMPT, seed=0, **kwargs)
     guard.remove()
     after = compile_report()
-    return {"warm_up_graphs": before["graphs"] - start["graphs"], "new_graphs": after["graphs"] - before["graphs"], "recompiles": after["recompiles"] - before["recompiles"],
+    return {"warm_up_graphs": before["graphs"] - start["graphs"], "new_graphs": after["graphs"] - before["graphs"],
+            "recompiles": after["recompiles"] - before["recompiles"],
             "equal": None if eager is None else bool(np.array_equal(eager[0], compiled[0]))}
 
 
@@ -476,7 +478,7 @@ def cfg_pair_checks(checkpoints: dict, cases: dict, split_call: dict, jobs: dict
     import torch.distributed as dist
 
     import neuron_diffusers as nd
-    from neuron_diffusers.cfg_parallel import CFGBranchMismatchError
+    from neuron_diffusers.parallel.cfg import CFGBranchMismatchError
 
     torch.set_num_threads(1)  # as torchrun does: ranks share the cores
     mesh = nd.init_distributed(tp=1, cfg=2)

@@ -2,7 +2,9 @@
 
 import pytest
 
-from neuron_diffusers import bench_collectives, plan_report, tiny
+from neuron_diffusers import tiny
+from neuron_diffusers.tools.bench import collectives as bench_collectives
+from neuron_diffusers.tools.plan import report as plan_report
 
 
 @pytest.fixture(scope="module")

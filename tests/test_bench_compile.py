@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from neuron_diffusers import bench_compile, tiny
+from neuron_diffusers import tiny
+from neuron_diffusers.tools.bench import compile as bench_compile
 
 # 9 prompts of distinct text lengths: one more than dynamo's default recompile_limit of 8, so stock reaches it.
 PROMPTS = bench_compile.PROMPTS[:9]
@@ -43,14 +44,14 @@ def test_cold_compile_times_both_ways(result):
     assert cold["blocks_per_class"] == {"QwenImageTransformerBlock": 2}
 
 
-def test_main_with_prints_the_table_or_json(result, monkeypatch, capsys):
+def test_main_prints_the_table_or_json(result, monkeypatch, capsys):
     monkeypatch.setattr(bench_compile, "measure", lambda *args, **kwargs: result)
     parser = argparse.ArgumentParser()
     bench_compile.add_arguments(parser)
-    bench_compile.main_with(parser.parse_args([]))
+    bench_compile.main(parser.parse_args([]))
     table = capsys.readouterr().out
     assert "| stock: `compile_repeated_blocks` + pipeline call | 8 | 8 |" in table
     assert "FailOnRecompileLimitHit" in table and "| ours: every prompt after warm-up | 9 | 0 | 0 | 0 |" in table
     assert "whole / repeated:" in table and "caveat:" in table
-    bench_compile.main_with(parser.parse_args(["--json"]))
+    bench_compile.main(parser.parse_args(["--json"]))
     assert json.loads(capsys.readouterr().out)["ours"]["after_warmup"]["recompiles"] == 0

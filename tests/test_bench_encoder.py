@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from neuron_diffusers import bench_encoder
+from neuron_diffusers.tools.bench import encoder as bench_encoder
 
 ENCODER_MIB = 32  # big enough that the leader's extra weights stand out of the ranks' common RSS, fast to run
 
@@ -37,12 +37,12 @@ def test_the_rank_that_does_not_encode_peaks_lower(result):
     assert result["stock"]["holds_encoder"] and result["stock"]["pretrained_models"] >= 2
 
 
-def test_main_with_prints_the_table_or_json(result, monkeypatch, capsys):
+def test_main_prints_the_table_or_json(result, monkeypatch, capsys):
     monkeypatch.setattr(bench_encoder, "measure", lambda *args, **kwargs: result)
     parser = argparse.ArgumentParser()
     bench_encoder.add_arguments(parser)
-    bench_encoder.main_with(parser.parse_args([]))
+    bench_encoder.main(parser.parse_args([]))
     table = capsys.readouterr().out
     assert "| TP=2 rank 1 | 1 | denoises only | no | 0 |" in table
-    bench_encoder.main_with(parser.parse_args(["--json"]))
+    bench_encoder.main(parser.parse_args(["--json"]))
     assert json.loads(capsys.readouterr().out)["tp2"][1]["holds_encoder"] is False

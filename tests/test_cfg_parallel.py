@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import rank_jobs
 import torch
 
-import rank_jobs
 from neuron_diffusers import tiny
 from neuron_diffusers.job import pair_work, plan_job
-from neuron_diffusers.spawn import run_on_cpu_ranks
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 FAMILIES = ("qwenimage", "qwenimage21", "flux")
 # FLUX.1 pads its text to `max_sequence_length`: 32 tokens instead of 512 keep the tiny model quick.
@@ -151,7 +151,8 @@ def test_cfg_pair_matches_stock_with_half_the_forwards(checkpoints, references, 
     assert [by_file[name]["cfg_parallel"] for name in sorted(by_file)] == [True, False, False]
     call = tiny.smallest_call("qwenimage")
     _assert_same_image(mixed["pixels"]["00002-a-green-frog.png"],
-                       _png(stock_image(checkpoints["qwenimage"], call, prompt="a green frog", seed=2, true_cfg_scale=4.0)),
+                       _png(stock_image(checkpoints["qwenimage"], call, prompt="a green frog", seed=2,
+                                        true_cfg_scale=4.0)),
                        "job, request without CFG on the second group")
 
 
@@ -195,7 +196,8 @@ def test_cfg_parallel_without_true_cfg_is_data_parallel(tmp_path):
 def test_pair_work_alternates_requests_without_true_cfg():
     requests = [SimpleNamespace(index=i) for i in range(5)]
     plan = SimpleNamespace(cfg=2, true_cfg={1, 3})
-    assert [(r.index, joint) for r, joint in pair_work(requests, plan, 0)] == [(0, False), (1, True), (3, True), (4, False)]
+    assert [(r.index, joint) for r, joint in pair_work(requests, plan, 0)] == [(0, False), (1, True), (3, True),
+                                                                                (4, False)]
     assert [(r.index, joint) for r, joint in pair_work(requests, plan, 1)] == [(1, True), (2, False), (3, True)]
 
 

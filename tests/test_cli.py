@@ -22,7 +22,8 @@ PROMPTS_JSONL = [
 
 
 def _command(out, *extra, ranks=None):
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"] if ranks else [sys.executable]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"] if ranks
+                else [sys.executable])
     return [*launcher, "-m", "neuron_diffusers", "generate", "--out", str(out), *extra]
 
 
@@ -176,7 +177,8 @@ BAD_INPUT = {
     "empty prompt": (lambda t, c: ["--prompt", "   "], "the prompt is empty"),
     "empty prompt file": (lambda t, c: ["--prompts", _write(t, "p.txt", "\n\n")], "holds no prompt"),
     "size not a multiple": (lambda t, c: ["--prompt", "a fox", "--height", "40"], "must be multiples of 16"),
-    "tp does not divide the world": (lambda t, c: ["--prompt", "a fox", "--tp", "3"], "Valid values for 1 rank(s): [1]"),
+    "tp does not divide the world": (lambda t, c: ["--prompt", "a fox", "--tp", "3"],
+                                     "Valid values for 1 rank(s): [1]"),
     "out is a file": (lambda t, c: ["--prompt", "a fox", "--out", _write(t, "file.txt", "")], "is a file"),
     "no safetensors": (lambda t, c: ["--prompt", "a fox", "--model", _no_safetensors(t, c)],
                        "has no .safetensors weights"),

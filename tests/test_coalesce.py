@@ -1,14 +1,15 @@
 """Fewer collectives (issue 8): paired partial sums and hoisted modulation, equal to stock TP."""
 
+import coalesce_jobs
 import pytest
 import torch
 
-from neuron_diffusers import bench_collectives, coalesce, tiny
-from neuron_diffusers.spawn import run_on_cpu_ranks
-from neuron_diffusers.tp_plans import GatheredColwiseParallel, PartialRowwiseParallel, model_class
-from neuron_diffusers.verify_cases import reference_call
-
-import coalesce_jobs
+from neuron_diffusers import families, tiny
+from neuron_diffusers.parallel import coalesce
+from neuron_diffusers.tools.bench import collectives as bench_collectives
+from neuron_diffusers.tools.plan.cases import reference_call
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
+from neuron_diffusers.tp_plans import GatheredColwiseParallel, PartialRowwiseParallel
 
 #: Issue 8's ceilings at TP=2 and real depth: (all-reduces, all-gathers) per forward.
 DUAL_STREAM = ("flux", "flux2", "qwenimage")
@@ -85,7 +86,7 @@ def test_collectives_per_forward_at_real_depth(full_depth, family):
 
 
 def _meta(family):
-    cls = model_class(family)
+    cls = families.get(family).model_class()
     config = cls.load_config(tiny.cached_tiny(family), subfolder="transformer")
     with torch.device("meta"):
         return cls.from_config(config)
@@ -109,14 +110,14 @@ def test_block_reduction_needs_a_known_block_and_its_exact_pair():
         coalesce.check_plan(flux, {"transformer_blocks.*.ff.net.2": PartialRowwiseParallel(reduced_at="block")})
     with pytest.raises(ValueError, match="MiniMaxH3TransformerBlock"):
         coalesce.check_plan(_meta("h3"), {"transformer_blocks.*.ff.net.2": PartialRowwiseParallel(reduced_at="block")})
-    coalesce.check_plan(flux, model_class("flux")._tp_plan)
+    coalesce.check_plan(flux, families.get("flux").plan)
 
 
 def test_a_changed_stock_block_forward_is_refused(monkeypatch):
     forward, linears, _ = coalesce.COALESCED_FORWARDS["FluxTransformerBlock"]
     monkeypatch.setitem(coalesce.COALESCED_FORWARDS, "FluxTransformerBlock", (forward, linears, "0" * 16))
     with pytest.raises(ValueError, match="differs from the diffusers 0.42.1 one"):
-        coalesce.check_plan(_meta("flux"), model_class("flux")._tp_plan)
+        coalesce.check_plan(_meta("flux"), families.get("flux").plan)
 
 
 def test_styles_compare_as_data():

@@ -6,11 +6,11 @@ opting in with `buckets=`: compiled still equals eager on the same padded input.
 """
 
 import pytest
-
 import rank_jobs
+
 from neuron_diffusers import tiny
 from neuron_diffusers.compile import resolve_backend
-from neuron_diffusers.spawn import run_on_cpu_ranks
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 FAMILIES = tiny.FAMILIES
 # Opt-in buckets for Qwen-Image-2.1 (inexact padding); the others use their adapters' defaults.

@@ -49,7 +49,8 @@ def _shell_blocks(doc: Path, runnable: bool) -> list[Block]:
 
 @pytest.mark.parametrize("doc", [doc for doc in DOCS if _shell_blocks(doc, runnable=True)], ids=lambda doc: doc.name)
 def test_runnable_blocks_run_as_written(doc, tmp_path):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "HF_HUB_OFFLINE": "1"}
     for block in _shell_blocks(doc, runnable=True):
         result = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=tmp_path, env=env,
                                 capture_output=True, text=True, timeout=600)
@@ -69,7 +70,8 @@ def _commands(text: str):
 
 
 def test_commands_not_run_here_still_parse():
-    commands = [(b.where, args) for doc in DOCS for b in _shell_blocks(doc, runnable=False) for args in _commands(b.text)]
+    commands = [(b.where, args) for doc in DOCS for b in _shell_blocks(doc, runnable=False)
+                for args in _commands(b.text)]
     assert any(where.startswith("usage.md") for where, _ in commands), "the Trainium example was not found"
     for where, args in commands:
         try:

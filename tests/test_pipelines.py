@@ -5,8 +5,7 @@ import json
 import pytest
 import torch
 
-from neuron_diffusers.pipelines import adapter_for
-from neuron_diffusers.checkpoint import component_names
+from neuron_diffusers.checkpoint import resolve
 
 
 def latents_from(pipe, embeds):
@@ -23,7 +22,7 @@ def qwen_runs(tiny_checkpoint):
     runs = {}
     for family in ("qwenimage", "qwenimage21"):
         checkpoint = tiny_checkpoint(family)
-        adapter = adapter_for(checkpoint)
+        adapter = resolve(checkpoint).adapter
         pipe = DiffusionPipeline.from_pretrained(checkpoint)
         pipe.set_progress_bar_config(disable=True)
         with torch.no_grad():
@@ -53,7 +52,8 @@ def test_qwen_image21_is_not_bucketed_because_padding_moves_the_image(qwen_runs)
 
 def test_pad_rejects_a_prompt_longer_than_every_bucket(qwen_runs):
     adapter, embeds, *_ = qwen_runs["qwenimage"]
-    with pytest.raises(ValueError, match="needs a length bucket above .* the largest of QwenImagePipeline is 4.*Shorten"):
+    with pytest.raises(ValueError,
+                       match="needs a length bucket above .* the largest of QwenImagePipeline is 4.*Shorten"):
         adapter.pad(embeds, (2, 4))
 
 
@@ -61,12 +61,14 @@ def test_every_family_has_an_adapter_and_unknown_pipelines_are_named(tiny_checkp
     from neuron_diffusers import tiny
 
     for family in tiny.FAMILIES:
-        assert adapter_for(tiny_checkpoint(family)) is not None
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}))
-    with pytest.raises(ValueError, match="StableDiffusionPipeline, which neuron_diffusers does not run.*Supported: FluxPipeline"):
-        adapter_for(tmp_path)
+        assert resolve(tiny_checkpoint(family)).adapter is not None
+    index = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError,
+                       match="StableDiffusionPipeline, which neuron_diffusers does not run.*Supported: FluxPipeline"):
+        resolve(tmp_path)
 
 
 def test_component_names_skip_config_values(tiny_checkpoint):
-    names = component_names(tiny_checkpoint("qwenimage21"))
+    names = resolve(tiny_checkpoint("qwenimage21")).component_names()
     assert "sample_sigmas" not in names and {"transformer", "vae", "processor"} <= set(names)

@@ -4,11 +4,12 @@ import pytest
 from diffusers import HunyuanVideoTransformer3DModel
 from diffusers.hooks.tensor_parallel import PackedRowwiseParallel
 
+from neuron_diffusers import families, stock_plan
 from neuron_diffusers.cli import main
-from neuron_diffusers.plan_check import check_plan, load_plan, meta_instance
-from neuron_diffusers.tp_plans import FAMILY_PLANS, model_class, stock_plan
+from neuron_diffusers.tools.plan.cases import TRANSFORMER_CASES
+from neuron_diffusers.tools.plan.check import check_plan, load_plan
+from neuron_diffusers.tools.plan.meta import meta_transformer
 from neuron_diffusers.tp_plans.hunyuanvideo import PLAN as HUNYUAN
-from neuron_diffusers.verify_cases import TRANSFORMER_CASES
 
 FF_OUT = "transformer_blocks.*.ff.net.2"
 FF_IN = "transformer_blocks.*.ff.net.0.proj"
@@ -18,17 +19,18 @@ PROJ_OUT = "single_transformer_blocks.*.proj_out"
 
 @pytest.fixture(scope="module")
 def hunyuanvideo():
-    return meta_instance("hunyuanvideo")[1]
+    return meta_transformer("hunyuanvideo").module
 
 
 def _without(*rules):
     return {rule: style for rule, style in HUNYUAN.items() if rule not in rules}
 
 
-@pytest.mark.parametrize("family", FAMILY_PLANS)
+@pytest.mark.parametrize("family", [family.name for family in families.FAMILIES])
 def test_our_plans_have_no_errors_and_shard_nearly_everything(family):
     plan = load_plan(family)
-    description, model = meta_instance(family)
+    meta = meta_transformer(family)
+    description, model = meta.description, meta.module
     report = check_plan(model, plan.rules, tp=8)
     assert report.errors == []
     assert description == f"{plan.model_class} (default config)"
@@ -39,7 +41,7 @@ def test_our_plans_have_no_errors_and_shard_nearly_everything(family):
 @pytest.mark.parametrize("family", ["flux", "flux2", "qwenimage", "qwenimage21"])
 def test_stock_plans_pass_the_partner_rule_too(family):
     """No false alarms on diffusers' own plans; what they leave replicated is listed, not an error."""
-    report = check_plan(meta_instance(family)[1], stock_plan(model_class(family)))
+    report = check_plan(meta_transformer(family).module, stock_plan(families.get(family).model_class()))
     assert report.errors == []
     assert report.unsharded_linears and report.unsharded_linears[0]["share"] > 0.005
 
@@ -79,7 +81,7 @@ def test_a_degree_that_splits_a_head_is_an_error(hunyuanvideo):
 
 def test_a_glob_over_blocks_that_differ_is_caught():
     """SD3's last block has no context output (`to_add_out` is None): one glob cannot cover every block."""
-    model = meta_instance("SD3Transformer2DModel")[1]
+    model = meta_transformer("SD3Transformer2DModel").module
     report = check_plan(model, {"transformer_blocks.*.attn.to_v": "colwise",
                                 "transformer_blocks.*.attn.to_out.0": "rowwise",
                                 "transformer_blocks.*.attn.to_add_out": "rowwise"})
@@ -90,7 +92,8 @@ def test_a_glob_over_blocks_that_differ_is_caught():
 def test_cli_prints_the_report_and_exits_0(capsys):
     assert main(["plan", "check", "hunyuanvideo"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("hunyuanvideo plan (neuron_diffusers.tp_plans.hunyuanvideo) on HunyuanVideoTransformer3DModel")
+    assert out.startswith(
+        "hunyuanvideo plan (neuron_diffusers.tp_plans.hunyuanvideo) on HunyuanVideoTransformer3DModel")
     assert "valid TP degrees: 1, 2, 3, 4, 6, 8, 12, 24" in out
     assert "unsharded Linears (largest first):\n    time_text_embed.guidance_embedder.linear_2" in out  # optional
     assert out.rstrip().endswith("OK: no errors")

@@ -5,8 +5,8 @@ import json
 import pytest
 from PIL import Image
 
-from neuron_diffusers import bench_memory
 from neuron_diffusers.cli import main
+from neuron_diffusers.tools.bench import memory as bench_memory
 
 FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21", "h3")
 GIB = 2**30
@@ -81,11 +81,11 @@ def test_a_checkpoint_folder_reports_its_own_config(capsys, tiny_checkpoint):
 
 def test_not_a_model_is_a_clear_error(capsys, tmp_path):
     assert main(["plan", "report", "--model", str(tmp_path), "--tp", "2"]) == 2
-    assert "has neither model_index.json nor modular_model_index.json" in capsys.readouterr().err
+    assert "has neither transformer/config.json nor config.json" in capsys.readouterr().err
 
 
 def test_memory_benchmark_writes_table_json_and_chart(tmp_path, capsys):
-    paths = bench_memory.run(tmp_path, families=("qwenimage21", "h3"), degrees=(1, 2))
+    paths = bench_memory.run(tmp_path, names=("qwenimage21", "h3"), degrees=(1, 2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.json", "memory.md", "memory.png"]
     rows = json.loads(paths["json"].read_text())
     assert [(r["family"], r["tp"]) for r in rows] == [("qwenimage21", 1), ("qwenimage21", 2), ("h3", 1), ("h3", 2)]

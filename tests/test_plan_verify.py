@@ -4,8 +4,9 @@ import pytest
 from diffusers.hooks.tensor_parallel import PackedRowwiseParallel
 
 from neuron_diffusers.cli import main
-from neuron_diffusers.plan_check import check_plan, meta_instance
-from neuron_diffusers.plan_verify import DEFAULT_TOLERANCE, verify_plans
+from neuron_diffusers.tools.plan.check import check_plan
+from neuron_diffusers.tools.plan.meta import meta_transformer
+from neuron_diffusers.tools.plan.verify import DEFAULT_TOLERANCE, verify_plans
 from neuron_diffusers.tp_plans.hunyuanvideo import PLAN
 
 WRONG_PROPORTIONS = {**PLAN, "single_transformer_blocks.*.proj_out": PackedRowwiseParallel([1, 3])}
@@ -28,13 +29,13 @@ def test_worked_example_matches_one_process(results, tp):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_wrong_packed_proportions_pass_the_check_but_not_verify(results, tp):
-    assert check_plan(meta_instance("hunyuanvideo")[1], WRONG_PROPORTIONS).errors == []
+    assert check_plan(meta_transformer("hunyuanvideo").module, WRONG_PROPORTIONS).errors == []
     assert results["wrong proportions"][tp]["diff"] > 1000 * DEFAULT_TOLERANCE  # runs fine, numbers wrong
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_colwise_without_its_rowwise_partner_is_caught_by_both(results, tp):
-    assert [f.rule for f in check_plan(meta_instance("hunyuanvideo")[1], NO_ROWWISE_PARTNER).errors] == [
+    assert [f.rule for f in check_plan(meta_transformer("hunyuanvideo").module, NO_ROWWISE_PARTNER).errors] == [
         "transformer_blocks.*.ff.net.0.proj"]
     assert "shapes cannot be multiplied" in results["no rowwise partner"][tp]["error"]
 

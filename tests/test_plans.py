@@ -3,13 +3,12 @@
 import shutil
 
 import pytest
+import rank_jobs
 from safetensors.torch import load_file, save_file
 
 from neuron_diffusers import tiny
-from neuron_diffusers.spawn import run_on_cpu_ranks
-from neuron_diffusers.verify_cases import reference_call
-
-import rank_jobs
+from neuron_diffusers.tools.plan.cases import reference_call
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 MISSING_KEY = "transformer_blocks.0.attn.to_q.weight"
 
@@ -49,7 +48,8 @@ def test_h3_attention_splits_local_heads(plan_report, tp):
 
 def test_bad_plans_and_degrees_rejected_before_any_weight_is_read(plan_report):
     errors = plan_report[0]["errors"]
-    assert errors["typo"].startswith("ValueError") and "'transformer_blocks.*.attn.to_qq' matches nothing" in errors["typo"]
+    assert errors["typo"].startswith("ValueError")
+    assert "'transformer_blocks.*.attn.to_qq' matches nothing" in errors["typo"]
     assert errors["not_linear"].startswith("ValueError") and "must match nn.Linear" in errors["not_linear"]
     assert errors["heads"].startswith("ValueError") and "Valid degrees for this model: [1, 2, 4]" in errors["heads"]
     assert MISSING_KEY in errors["missing_key"] and "does not contain" in errors["missing_key"]
@@ -59,7 +59,7 @@ def test_non_safetensors_checkpoint_rejected_before_loading(tiny_checkpoint, tmp
     import torch
     from diffusers import TensorParallelConfig
 
-    from neuron_diffusers.runner import transformer_class
+    from neuron_diffusers.checkpoint import resolve
 
     checkpoint = shutil.copytree(tiny_checkpoint("flux"), tmp_path / "flux")
     weights = next((checkpoint / "transformer").glob("*.safetensors"))
@@ -73,6 +73,6 @@ def test_non_safetensors_checkpoint_rejected_before_loading(tiny_checkpoint, tmp
             return 2
 
     with pytest.raises(ValueError, match="requires safetensors weights"):
-        transformer_class(checkpoint).from_pretrained(
+        resolve(checkpoint).transformer_class().from_pretrained(
             checkpoint, subfolder="transformer", use_safetensors=None,
             parallel_config=TensorParallelConfig(mesh=_TwoRankMesh()))

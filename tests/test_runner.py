@@ -5,12 +5,12 @@ One spawn runs every family (each spawn costs seconds of imports); the stock ref
 
 import numpy as np
 import pytest
+import rank_jobs
 import torch
 
-import rank_jobs
 from neuron_diffusers import tiny
-from neuron_diffusers.spawn import run_on_cpu_ranks
-from neuron_diffusers.tiny import h3
+from neuron_diffusers.checkpoint import resolve
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 FAMILIES = tiny.FAMILIES
 PROMPT = "a red fox in the snow"
@@ -23,7 +23,7 @@ def stock_output(checkpoint, family):
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         if family == "h3":
-            pipe = h3.load(checkpoint, workflow="t2va")
+            pipe = resolve(checkpoint).adapter.load_stock(resolve(checkpoint))
             out = pipe(prompt=PROMPT, generator=generator, output_type="pt", output=["videos", "audio"],
                        **tiny.smallest_call(family))
             return {"frames": out["videos"][0].numpy(), "audio": out["audio"][0].numpy()}

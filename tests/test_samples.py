@@ -16,26 +16,21 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from neuron_diffusers import tiny
+from neuron_diffusers import families, tiny
 from neuron_diffusers.tiny.h3 import DEFAULT_NUM_FRAMES
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 # script, family, output name, extra arguments, ranks (None: one plain process)
 CASES = [
-    ("flux1.py", "flux", "flux1.png", ["--tp", "2"], 2),
+    ("flux.py", "flux", "flux.png", ["--tp", "2"], 2),
     ("flux2.py", "flux2", "flux2.png", [], None),
-    ("qwen_image.py", "qwenimage", "qwen_image.png", [], None),
-    ("qwen_image_21.py", "qwenimage21", "q21.png",
+    ("qwenimage.py", "qwenimage", "qwenimage.png", [], None),
+    ("qwenimage21.py", "qwenimage21", "q21.png",
      ["--negative-prompt", "blurry", "--true-cfg-scale", "4", "--compile", "aot_eager"], None),
-    ("minimax_h3.py", "h3", "h3.mp4", [], None),
+    ("h3.py", "h3", "h3.mp4", [], None),
 ]
-REAL_IDS = {
-    "flux1.py": "black-forest-labs/FLUX.1-dev",
-    "flux2.py": "black-forest-labs/FLUX.2-dev",
-    "qwen_image.py": "Qwen/Qwen-Image",
-    "qwen_image_21.py": "Qwen/Qwen-Image-2.1",
-    "minimax_h3.py": "MiniMaxAI/MiniMax-H3",
-}
+# One sample per family, named after it, pointing at the family's released checkpoint.
+REAL_IDS = {f"{family.name}.py": family.hub_id for family in families.FAMILIES if family.adapter is not None}
 
 
 def _run(script: str, out: Path, extra: list[str], ranks: int | None, **env) -> subprocess.CompletedProcess:

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from neuron_diffusers.spawn import run_on_cpu_ranks
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 
 def _rank_and_world():

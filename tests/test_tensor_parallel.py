@@ -1,12 +1,11 @@
 """Stock diffusers TP on CPU meshes after `import neuron_diffusers`: 2 gloo ranks vs one process."""
 
 import pytest
-
-from neuron_diffusers.spawn import run_on_cpu_ranks
-from neuron_diffusers.verify_cases import reference_call
-
 import rank_jobs
 from conftest import IMAGE_FAMILIES
+
+from neuron_diffusers.tools.plan.cases import reference_call
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 
 @pytest.fixture(scope="module")

@@ -61,9 +61,11 @@ def test_cli_builds_into_a_new_folder_only(tmp_path, capsys):
 
 
 def test_h3_modular_round_trip_generates_video_and_audio(tiny_checkpoint):
+    from neuron_diffusers.checkpoint import resolve
     from neuron_diffusers.tiny import h3
 
-    pipe = h3.load(tiny_checkpoint("h3"), workflow="t2va")
+    checkpoint = resolve(tiny_checkpoint("h3"))
+    pipe = checkpoint.adapter.load_stock(checkpoint)
     assert type(pipe.transformer).__name__ == "MiniMaxH3Transformer3DModel"
     height, width = h3.DEFAULT_SIZE
     out = pipe(prompt="a red fox", height=height, width=width, num_frames=h3.DEFAULT_NUM_FRAMES,
@@ -78,13 +80,14 @@ def test_h3_modular_round_trip_generates_video_and_audio(tiny_checkpoint):
 def test_h3_load_names_a_component_that_did_not_load(tmp_path, tiny_checkpoint):
     import shutil
 
-    from neuron_diffusers.tiny import h3
+    from neuron_diffusers.checkpoint import resolve
 
     broken = shutil.copytree(tiny_checkpoint("h3"), tmp_path / "h3")
     for weights in (broken / "vae").glob("*.safetensors"):
         weights.write_bytes(b"not safetensors")
     with pytest.raises(RuntimeError, match="did not load vae"):
-        h3.load(broken, workflow="t2va")
+        checkpoint = resolve(broken)
+        checkpoint.adapter.load_stock(checkpoint)
 
 
 def _build_on_rank_1():
@@ -100,7 +103,7 @@ def _build_on_rank_1():
 
 def test_cached_tiny_inside_a_process_group_writes_every_weight(tmp_path, monkeypatch):
     """transformers' `save_pretrained` skips weights on ranks != 0 inside a process group; the cache must not."""
-    from neuron_diffusers.spawn import run_on_cpu_ranks
+    from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
     monkeypatch.setenv("NEURON_DIFFUSERS_CACHE", str(tmp_path / "cache"))
     _, files = run_on_cpu_ranks(_build_on_rank_1, 2)

@@ -14,12 +14,16 @@ Each rank builds the pipeline from only the components its role needs:
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
+from typing import TYPE_CHECKING
 
+import diffusers
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import component_class_name, component_names, read_config
+from ..media import save_png
+
+if TYPE_CHECKING:  # the checkpoint module looks adapters up through `families`, which imports this one
+    from ..checkpoint import Checkpoint
 
 
 class PipelineAdapter:
@@ -38,16 +42,28 @@ class PipelineAdapter:
     guidance_kwarg: str | None = "guidance_scale"
     #: Whether the pipeline itself fixes the text length (FLUX pads to `max_sequence_length`), so no bucket is needed.
     static_text_length: bool = False
-    #: Block classes to compile; `None`: all of the transformer's `_repeated_blocks`.
+    #: Block classes to compile; `None`: all of the transformer's repeated blocks.
     compiled_blocks: tuple[str, ...] | None = None
+    #: The file a generation is saved as (`save`).
+    output_suffix: str = ".png"
+    #: Call kwargs a stock single-process call needs to return what this adapter compares (tools, tests).
+    stock_output_kwargs: dict = {"output_type": "latent"}
 
-    def load_encoder(self, checkpoint: Path, torch_dtype: torch.dtype | None):
+    def load_encoder(self, checkpoint: Checkpoint, torch_dtype: torch.dtype | None):
         """The text components, on CPU, ready for `encode` (only the encoding rank calls this)."""
         raise NotImplementedError
 
-    def load_denoiser(self, checkpoint: Path, transformer, torch_dtype, device: torch.device, decodes: bool):
+    def load_denoiser(self, checkpoint: Checkpoint, transformer, torch_dtype, device: torch.device, decodes: bool):
         """What every rank runs around `transformer`; the decoder only where it `decodes`."""
         raise NotImplementedError
+
+    def load_stock(self, checkpoint: Checkpoint, **kwargs):
+        """The stock pipeline with every component, in one process: what the parallel one must match."""
+        raise NotImplementedError
+
+    def save(self, output, path, text: dict[str, str]) -> list:
+        """Write one generation (with `text`, its settings, inside the file); returns the files written."""
+        return [save_png(output, path, text=text)]
 
     def encode(self, encoder, prompt: str, negative_prompt: str | None, **encode_kwargs) -> dict[str, torch.Tensor]:
         """The call kwargs that carry the embeddings of `prompt` (and `negative_prompt`), computed on CPU."""
@@ -57,7 +73,7 @@ class PipelineAdapter:
         """`embeds` padded to a length bucket (unchanged by default)."""
         return embeds
 
-    def size_multiple(self, checkpoint: Path) -> int:
+    def size_multiple(self, checkpoint: Checkpoint) -> int:
         """What height and width must be multiples of."""
         raise NotImplementedError
 
@@ -87,31 +103,33 @@ class StockPipelineAdapter(PipelineAdapter):
     # -- loading -------------------------------------------------------------------------------------------
 
     def pipeline_cls(self):
-        import diffusers
-
         return getattr(diffusers, self.pipeline_class)
 
-    def load_encoder(self, checkpoint: Path, torch_dtype: torch.dtype | None):
+    def load_encoder(self, checkpoint: Checkpoint, torch_dtype: torch.dtype | None):
         """The stock pipeline with only its text components, on CPU, where the text encoder runs once per prompt."""
         needed = self.text_components + self.shared_components
-        skipped = {name: None for name in component_names(checkpoint) if name not in needed}
-        return self.pipeline_cls().from_pretrained(checkpoint, dtype=torch_dtype, **skipped)
+        skipped = {name: None for name in checkpoint.component_names() if name not in needed}
+        return self.pipeline_cls().from_pretrained(checkpoint.path, dtype=torch_dtype, **skipped)
 
-    def load_denoiser(self, checkpoint: Path, transformer, torch_dtype, device: torch.device, decodes: bool):
+    def load_denoiser(self, checkpoint: Checkpoint, transformer, torch_dtype, device: torch.device, decodes: bool):
         """The stock pipeline around `transformer` with no text components; the VAE only where it `decodes`."""
         kwargs = {name: None for name in self.text_components}
         if not decodes:
-            kwargs["vae"] = model_on_meta(checkpoint, "vae")
-        pipe = self.pipeline_cls().from_pretrained(checkpoint, transformer=transformer, dtype=torch_dtype, **kwargs)
+            kwargs["vae"] = checkpoint.meta("vae")
+        pipe = self.pipeline_cls().from_pretrained(checkpoint.path, transformer=transformer, dtype=torch_dtype,
+                                                   **kwargs)
         if decodes:
             pipe.vae.to(device)
         else:
             pipe.register_modules(vae=None)
         return pipe
 
-    def size_multiple(self, checkpoint: Path) -> int:
+    def load_stock(self, checkpoint: Checkpoint, **kwargs):
+        return self.pipeline_cls().from_pretrained(checkpoint.path, **kwargs)
+
+    def size_multiple(self, checkpoint: Checkpoint) -> int:
         """What height and width must be multiples of: the VAE's downsampling times the 2x2 latent packing."""
-        return self.vae_scale_factor(read_config(checkpoint, "vae")) * 2
+        return self.vae_scale_factor(checkpoint.config("vae")) * 2
 
     def vae_scale_factor(self, vae_config: dict) -> int:
         """As the pipeline's `__init__` computes it (FLUX.1 / FLUX.2: one halving per VAE block after the first)."""
@@ -185,12 +203,3 @@ def bucket_for(buckets: tuple[int, ...], length: int, owner: str) -> int:
         f"A prompt encodes to {length} tokens, which needs a length bucket above {length}; the largest of {owner} is "
         f"{buckets[-1]}. Shorten the prompt, or pass larger `buckets` to `load_pipeline`."
     )
-
-
-def model_on_meta(checkpoint: Path, name: str):
-    """Component `name` of the checkpoint built from its config on the meta device: its shape, none of its weights."""
-    import diffusers
-
-    model_cls = getattr(diffusers, component_class_name(checkpoint, name))
-    with torch.device("meta"):
-        return model_cls.from_config(model_cls.load_config(checkpoint, subfolder=name))

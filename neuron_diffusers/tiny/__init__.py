@@ -7,8 +7,8 @@ loaders and pipelines that real checkpoints go through.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
-import importlib
 import os
 import shutil
 import subprocess
@@ -16,13 +16,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21", "h3")
+import torch.distributed as dist
+
+from .. import families
+
+#: The families with a tiny pipeline (every family whose pipelines run here).
+FAMILIES = families.PIPELINE_FAMILIES
 
 
 def _family_module(family: str):
     if family not in FAMILIES:
         raise ValueError(f"Unknown tiny family '{family}'. Choose one of: {', '.join(FAMILIES)}.")
-    return importlib.import_module(f"{__name__}.{family}")
+    return families.get(family).tiny_module
 
 
 def default_size(family: str) -> tuple[int, int]:
@@ -32,11 +37,9 @@ def default_size(family: str) -> tuple[int, int]:
 
 def smallest_call(family: str) -> dict:
     """Size and steps of the quickest generation that still exercises every step kind: two transformer forwards
-    (MiniMax-H3's scheduler counts the terminal sigma, so that is `num_inference_steps=3`, at its default clip)."""
+    (each tiny module's `SMALLEST_CALL`)."""
     height, width = default_size(family)
-    if family == "h3":
-        return dict(height=height, width=width, num_inference_steps=3, num_frames=_family_module(family).DEFAULT_NUM_FRAMES)
-    return dict(height=height, width=width, num_inference_steps=2)
+    return dict(height=height, width=width, **_family_module(family).SMALLEST_CALL)
 
 
 def build_tiny(family: str, path: str | os.PathLike, seed: int = 0) -> Path:
@@ -98,8 +101,6 @@ def cached_tiny(family: str, seed: int = 0) -> Path:
 
 
 def _in_process_group() -> bool:
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized()
 
 
@@ -108,3 +109,14 @@ def _build_in_subprocess(family: str, path: Path, seed: int) -> None:
     rank 0 only, so a build by any other rank would be renamed into the cache without its text encoder's weights."""
     command = [sys.executable, "-m", "neuron_diffusers", "tiny", family, str(path), "--seed", str(seed)]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("family", help=f"one of: {', '.join(FAMILIES)}")
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> None:
+    """`neuron-diffusers tiny FAMILY DIR`: build and print the folder."""
+    print(build_tiny(args.family, args.dir, seed=args.seed))

@@ -20,6 +20,8 @@ from ._tokenizers import clip_tokenizer, t5_tokenizer
 # We default to 32x32, 2x2 image tokens, so the rotary embedding and the
 # patch (un)packing are exercised on more than the single token that 16x16 would give.
 DEFAULT_SIZE = (32, 32)
+# Two transformer forwards: the first step and a later one (`tiny.smallest_call`).
+SMALLEST_CALL = {"num_inference_steps": 2}
 
 _TEXT_DIM = 32  # width of both text encoders; the transformer's context / pooled inputs follow it
 _LATENT_CHANNELS = 4  # real FLUX.1 has 16; the transformer sees 4x that after 2x2 packing

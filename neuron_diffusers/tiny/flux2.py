@@ -28,6 +28,8 @@ from ._tokenizers import train_byte_level_bpe
 # We default to 32x32, 2x2 image tokens, so the rotary embedding and the
 # patch (un)packing are exercised on more than the single token that 16x16 would give.
 DEFAULT_SIZE = (32, 32)
+# Two transformer forwards: the first step and a later one (`tiny.smallest_call`).
+SMALLEST_CALL = {"num_inference_steps": 2}
 
 _TEXT_DIM = 32  # the Mistral hidden size
 # The pipeline stacks the text encoder's hidden states at layers (10, 20, 30) by default, so the

@@ -2,7 +2,7 @@
 
 MiniMax-H3 is modular only: the blocks drive the `t2va` (text), `fl2va` (keyframes) and `ref2va` (references)
 workflows, and one checkpoint holds two transformer partitions, `transformer/` for `t2va` / `fl2va` and
-`transformer_ref/` for `ref2va`. Both are built, so every workflow works, as does `load()` without a `workflow`.
+`transformer_ref/` for `ref2va`. Both are built, so every workflow works.
 
 Dimensions, chosen so that tensor parallelism over 2 or 4 ranks splits everything evenly:
 
@@ -34,7 +34,6 @@ from diffusers import (
     AutoencoderKLMiniMaxH3Audio,
     MiniMaxH3Scheduler,
     MiniMaxH3Transformer3DModel,
-    ModularPipeline,
 )
 from diffusers.modular_pipelines import MiniMaxH3Blocks
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -47,6 +46,8 @@ DEFAULT_SIZE = (32, 32)
 # The pipeline generates 5 to 15 seconds at a fixed 24 fps and the video VAE decodes `17 * n + 5` frames, so the
 # 120 frames of 5 seconds round up to 124: 37 latent frames and 207 audio latents per stereo channel.
 DEFAULT_NUM_FRAMES = 124
+# Two transformer forwards (the scheduler counts the terminal sigma), at the default clip length.
+SMALLEST_CALL = {"num_inference_steps": 3, "num_frames": DEFAULT_NUM_FRAMES}
 
 _TEXT_DIM = 16  # the Qwen3-VL hidden size, i.e. the transformer's `text_dim`
 _LATENT_CHANNELS = 4  # the released video VAE has 24
@@ -171,15 +172,3 @@ def build(path: str | os.PathLike, seed: int = 0) -> None:
         **components,
     )
     pipe.save_pretrained(os.fspath(path), overwrite_modular_index=True)
-
-
-def load(path: str | os.PathLike, **kwargs) -> ModularPipeline:
-    """`ModularPipeline.from_pretrained(path)` + `load_components(**kwargs)`, raising if any component did not load.
-
-    A `workflow` kwarg (`"t2va"`, `"fl2va"`, `"ref2va"`) is given to `from_pretrained` instead, which prunes the
-    blocks to that workflow so that only its components are expected and loaded.
-    """
-    from ..pipelines.minimax_h3 import load_every_component
-
-    pipe = ModularPipeline.from_pretrained(os.fspath(path), workflow=kwargs.pop("workflow", None))
-    return load_every_component(pipe, path, **kwargs)

@@ -19,6 +19,8 @@ from ._qwen import qwen2_tokenizer, qwen_image_scheduler, vl_token_ids
 # We default to 32x32, 2x2 image tokens, so the rotary embedding and the
 # patch (un)packing are exercised on more than the single token that 16x16 would give.
 DEFAULT_SIZE = (32, 32)
+# Two transformer forwards: the first step and a later one (`tiny.smallest_call`).
+SMALLEST_CALL = {"num_inference_steps": 2}
 
 # Width of the text encoder's hidden states, which the transformer reads as `joint_attention_dim`. Kept unlike the
 # transformer's width so a mixed-up projection fails loudly.

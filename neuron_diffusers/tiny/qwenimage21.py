@@ -17,6 +17,8 @@ from ._qwen import qwen3_vl_processor, qwen_image_scheduler, vl_token_ids
 # The pipeline hard-codes a VAE scale factor of 16 and groups latent tokens 2x2 per vision-language image slot, so it
 # rounds sides down to multiples of 32: at 32x32 the target image is a 2x2 latent, one slot.
 DEFAULT_SIZE = (32, 32)
+# Two transformer forwards: the first step and a later one (`tiny.smallest_call`).
+SMALLEST_CALL = {"num_inference_steps": 2}
 
 # Width of the text encoder's hidden states, which the transformer reads as `context_in_dim`. Kept unlike the
 # transformer's width so a mixed-up projection fails loudly.

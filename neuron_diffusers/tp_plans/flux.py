@@ -5,17 +5,15 @@ and `norm1_context.linear` (3072 -> 6 x 3072) in each of the 19 double-stream bl
 `norm.linear` (3072 -> 3 x 3072) in each of the 38 single-stream blocks. They are 27.2% of the
 model, so at TP=8 stock holds 8.12 GiB (bf16) per rank against an ideal 2.77 GiB.
 
-We shard those and `norm_out.linear` with `GatheredColwiseParallel(hoist_from="time_text_embed")`:
-all of them read `silu(temb)`, so right after `time_text_embed` each rank computes 1/tp of every
-one's output columns and ONE all-gather per forward rebuilds them all exactly (no reduction, so
-bit-identical to one process). `AdaLayerNormZero*` / `AdaLayerNormContinuous` `chunk` the full
-vectors as usual. All outputs are multiples of `inner_dim`, so they divide like the heads.
+We shard those and `norm_out.linear` with `GatheredColwiseParallel(hoist_from="time_text_embed")`
+(all read `silu(temb)`; `styles.py` says how hoisting works). `AdaLayerNormZero*` /
+`AdaLayerNormContinuous` `chunk` the full vectors as usual. All outputs are multiples of `inner_dim`,
+so they divide like the heads.
 
-Stock all-reduces the two streams of a double-stream block separately, twice per block (4). Ours
-reduces the attention pair in one call (`reduced_at="attn"`: the attention returns both streams)
-and the feed-forward pair in one (`reduced_at="block"`: a block forward with stock's operations that
-computes both feed-forwards before either is used): per forward 19 x 2 + 38 = 76 all-reduces and
-1 all-gather, against stock's 114 all-reduces.
+A double-stream block's attention pair is reduced as the attention returns both streams
+(`reduced_at="attn"`) and its feed-forward pair in the block (`reduced_at="block"`, see
+`parallel/coalesce.py`): per forward 19 x 2 + 38 = 76 all-reduces and 1 all-gather, against stock's
+114 all-reduces.
 
 `context_embedder` (4096 -> 3072, 0.11%) stays replicated: sharding it would cost a second
 collective per forward for 0.8% of a rank's weights at TP=8.

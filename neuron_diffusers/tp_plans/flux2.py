@@ -7,16 +7,12 @@ and the input projections replicated: 2.5% of the model, which at TP=8 is still 
 per-rank size (8.83 GiB bf16 per rank against 7.50 GiB).
 
 We shard the three shared modulations and `norm_out.linear` with
-`GatheredColwiseParallel(hoist_from="time_guidance_embed")`: all read `silu(temb)`, so right after
-`time_guidance_embed` each rank computes 1/tp of every one's output columns and ONE all-gather per
-forward rebuilds them all exactly (no reduction, so bit-identical to one process), which
-`Flux2Modulation.split`, the KV-cache modulation blending and `AdaLayerNormContinuous` then read
+`GatheredColwiseParallel(hoist_from="time_guidance_embed")` (all read `silu(temb)`; see `styles.py`),
+which `Flux2Modulation.split`, the KV-cache modulation blending and `AdaLayerNormContinuous` then read
 as usual. All outputs are multiples of `inner_dim` = heads x head_dim, so they divide like the heads.
 
-Stock all-reduces a double-stream block's two streams separately, twice per block. Ours reduces
-the attention pair in one call (`reduced_at="attn"`) and the feed-forward pair in one
-(`reduced_at="block"`: a block forward with stock's operations that computes both feed-forwards
-before either is used): 8 x 2 + 48 = 64 all-reduces and 1 all-gather per forward, against 80.
+Double-stream pairs are reduced together (`reduced_at="attn"` / `"block"`, see `parallel/coalesce.py`):
+8 x 2 + 48 = 64 all-reduces and 1 all-gather per forward, against stock's 80.
 `context_embedder` (15360 -> 6144, 0.29%) stays replicated: sharding it would cost a second
 collective per forward.
 

@@ -1,22 +1,19 @@
-"""Tensor-parallel plan for Qwen-Image (`QwenImageTransformer2DModel`): stock diffusers 0.42.1 plan + AdaLN, fewer collectives.
+"""Tensor-parallel plan for Qwen-Image (`QwenImageTransformer2DModel`): stock 0.42.1 plan + AdaLN, fewer collectives.
 
 Every one of the 60 blocks carries two AdaLN modulation MLPs, `img_mod` and `txt_mod`, each
 `Sequential(SiLU, Linear(3072 -> 6 x 3072))`. Stock leaves them replicated: 33.3% of the model, so
 at TP=8 stock holds 15.90 GiB (bf16) per rank against an ideal 4.76 GiB.
 
 We shard their Linears (`img_mod.1`, `txt_mod.1`) and `norm_out.linear` with
-`GatheredColwiseParallel(hoist_from="time_text_embed")`: all read `silu(temb)`, so right after
-`time_text_embed` each rank computes 1/tp of every one's output columns and ONE all-gather per
-forward rebuilds them all exactly (no reduction, so bit-identical to one process). With
+`GatheredColwiseParallel(hoist_from="time_text_embed")` (all read `silu(temb)`; see `styles.py`). With
 `zero_cond_t`, `txt_mod` and `norm_out` read only the first half of `temb`'s batch
 (`first_half_if="zero_cond_t"`). `_modulate`'s chunks, the `modulate_index` row selection and
 `AdaLayerNormContinuous` then read the full vectors as usual. All outputs are multiples of
 `inner_dim` = heads x head_dim, so they divide like the heads.
 
 Stock all-reduces the image and text streams separately, twice per block (4 x 60 = 240 per
-forward). Ours reduces the attention pair in one call (`reduced_at="attn"`: the attention returns
-both streams) and the MLP pair in one (`reduced_at="block"`: a block forward with stock's operations
-that computes both MLPs before either is used): 120 all-reduces and 1 all-gather per forward.
+forward). Ours reduces each pair together (`reduced_at="attn"` / `"block"`, see `parallel/coalesce.py`):
+120 all-reduces and 1 all-gather per forward.
 `txt_in` (3584 -> 3072, 0.05%) stays replicated: sharding it would cost a second collective.
 
 Per rank at TP=8 (bf16): stock 15.90 GiB, ours 4.79 GiB, ideal (total / 8) 4.76 GiB -> 1.008 x ideal.

@@ -7,10 +7,9 @@ which at TP=8 is still 13% over the ideal per-rank size (1.88 GiB bf16 per rank 
 Sharding the two modulation Linears alone would leave 0.73% replicated, just over the 5% budget,
 so the text projection is sharded too.
 
-- `modulation.1` and `norm_out.linear` use `GatheredColwiseParallel(hoist_from="time_text_embed")`:
-  both read `silu(temb)`, so right after `time_text_embed` each rank computes 1/tp of their output
-  columns and ONE all-gather per forward rebuilds both exactly (no reduction, so bit-identical to
-  one process); the blocks' `chunk`s and `_select_modulation_rows` read them as usual.
+- `modulation.1` and `norm_out.linear` use `GatheredColwiseParallel(hoist_from="time_text_embed")`
+  (both read `silu(temb)`; see `styles.py`); the blocks' `chunk`s and `_select_modulation_rows` read
+  them as usual.
 - `txt_in` is `text_norm -> in_layer -> GELU(tanh) -> out_layer` (4096 -> 4096 -> 4096): an MLP, so
   the usual colwise/rowwise pair. `text_norm` acts on the replicated input, the GELU is elementwise
   on the column shard, and `out_layer`'s all-reduce hands the blocks the whole text stream.

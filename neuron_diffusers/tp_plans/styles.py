@@ -10,7 +10,7 @@ diffusers' plans say `"colwise"`, `"rowwise"`, `PackedColwiseParallel(blocks)` o
 - Where a rowwise Linear's all-reduce happens. Per-collective latency dominates small collectives, and a
   dual-stream (MMDiT) block's image and text streams can be reduced together: `PartialRowwiseParallel`.
 
-Both are data, read by `neuron_diffusers.integration` (layout) and `neuron_diffusers.coalesce` (the
+Both are data, read by `parallel/patches.py` (layout) and `parallel/coalesce.py` (the
 forward-time behaviour).
 """
 
@@ -52,7 +52,8 @@ class GatheredColwiseParallel(_Style):
 
     def __init__(self, hoist_from: str | None = None, first_half_if: str | None = None):
         if first_half_if is not None and hoist_from is None:
-            raise ValueError("GatheredColwiseParallel(first_half_if=...) describes a hoisted input: give hoist_from too.")
+            raise ValueError("GatheredColwiseParallel(first_half_if=...) describes a hoisted input: give hoist_from "
+                             "too.")
         self.hoist_from = hoist_from
         self.first_half_if = first_half_if
 

@@ -13,16 +13,17 @@ of the numbers will do. This module supplies the model and the call, from one of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
+import diffusers
 import torch
 from torch.utils._pytree import tree_map
 
-from . import tiny
-from .tp_plans import FAMILY_PLANS
+from ... import families, tiny
+from ...checkpoint import resolve
 
 PROMPT = "a red fox in the snow"
 
@@ -83,7 +84,7 @@ def predictions(output) -> tuple[torch.Tensor, ...]:
 
 
 def _pipeline_families() -> dict[str, str]:
-    return {FAMILY_PLANS[family].MODEL_CLASS: family for family in tiny.FAMILIES}
+    return {families.get(family).model_class_name: family for family in tiny.FAMILIES}
 
 
 def verifiable_models() -> list[str]:
@@ -97,7 +98,7 @@ def build_case(model: str, workdir: Path, seed: int = 0) -> Case:
     `workdir` receives the checkpoint of a `TRANSFORMER_CASES` model (pipeline families use the tiny
     cache). Raises `ValueError` naming what is accepted when there is no tiny model of `model`.
     """
-    class_name = FAMILY_PLANS[model].MODEL_CLASS if model in FAMILY_PLANS else model
+    class_name = families.get(model).model_class_name if families.is_family(model) else model
     family = model if model in tiny.FAMILIES else _pipeline_families().get(class_name)
     if family is not None:
         return _pipeline_case(family, seed)
@@ -105,9 +106,10 @@ def build_case(model: str, workdir: Path, seed: int = 0) -> Case:
         return _transformer_case(class_name, workdir, seed)
     raise ValueError(
         f"There is no tiny model of '{model}' to verify a plan on: `plan verify` needs a tiny random instance and "
-        f"one forward call. Known: tiny families {', '.join(tiny.FAMILIES)} and classes {', '.join(verifiable_models())}. "
+        f"one forward call. Known: tiny families {', '.join(tiny.FAMILIES)} and classes "
+        f"{', '.join(verifiable_models())}. "
         "For another class, add its tiny config and an inputs function to "
-        "`neuron_diffusers.verify_cases.TRANSFORMER_CASES` (docs/authoring.md, step 6)."
+        "`neuron_diffusers.tools.plan.cases.TRANSFORMER_CASES` (docs/authoring.md, step 6)."
     )
 
 
@@ -139,33 +141,23 @@ def capture_first_call(pipe, call: dict) -> tuple[tuple, dict]:
 def reference_call(checkpoint: Path, family: str, seed: int = 0) -> tuple[tuple, dict, tuple[torch.Tensor, ...]]:
     """The transformer's first real call in `family`'s stock single-process pipeline at `checkpoint`, and its
     predictions."""
-    from diffusers import DiffusionPipeline
-
-    call = {"prompt": PROMPT, "generator": torch.Generator().manual_seed(seed), **tiny.smallest_call(family)}
-    if family == "h3":  # a modular pipeline, loaded per workflow, that makes video with audio
-        from .tiny import h3
-
-        pipe = h3.load(checkpoint, workflow="t2va")
-        call["output"] = "videos"
-    else:
-        pipe = DiffusionPipeline.from_pretrained(checkpoint)
-        call["output_type"] = "latent"
+    resolved = resolve(checkpoint)
+    adapter = resolved.adapter
+    pipe = adapter.load_stock(resolved)
+    call = {"prompt": PROMPT, "generator": torch.Generator().manual_seed(seed), **tiny.smallest_call(family),
+            **adapter.stock_output_kwargs}
     args, kwargs = capture_first_call(pipe, call)
     with torch.no_grad():
         return args, kwargs, predictions(pipe.transformer(*args, **kwargs))
 
 
 def _pipeline_case(family: str, seed: int) -> Case:
-    from .tp_plans import model_class
-
     checkpoint = tiny.cached_tiny(family, seed=seed)
     args, kwargs, expected = reference_call(checkpoint, family, seed)
-    return Case(model_class(family).__name__, checkpoint, args, kwargs, expected)
+    return Case(families.get(family).model_class_name, checkpoint, args, kwargs, expected)
 
 
 def _transformer_case(class_name: str, workdir: Path, seed: int) -> Case:
-    import diffusers
-
     recipe = TRANSFORMER_CASES[class_name]
     torch.manual_seed(seed)
     model = getattr(diffusers, class_name).from_config(recipe.config).eval()

@@ -16,11 +16,12 @@ without changing what any rank computes:
   all-gathered in one call; each Linear then returns its slice of the result. The results live only
   for the model's forward (cleared when it returns, even on error), so nothing stale can leak.
 
-Everything is installed per instance: forward hooks, attributes, and a swap of the instance's class to
-a subclass whose `forward` is ours (one subclass per class, with the same name, so diffusers'
-`_repeated_blocks` still finds the blocks and `compile_repeated_blocks` compiles one graph for all
-of them: an instance-bound `forward` would cost one graph per block). The transactional
-`enable_parallelism` in `integration.py` restores classes and attributes on failure.
+Everything is installed per instance: hooks (the hoisting one named `HOIST_HOOK` in diffusers' `HookRegistry`),
+two attributes (`_nd_tp_mesh` on coalesced blocks, `_nd_hoist` on hoisted Linears), and a swap of the instance's
+class to a subclass whose `forward` is ours (one subclass per class, with the same name, so diffusers finds the
+repeated blocks and `compile_repeated_blocks` compiles one graph for all of them: an instance-bound `forward`
+would cost one graph per block). The transactional `enable_parallelism` (`patches.py`) restores classes,
+attributes and hooks on failure.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ import functools
 import hashlib
 import inspect
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
 from torch.distributed import _functional_collectives as funcol
 
-from .tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
+from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
+from .rules import expand_rule
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +49,7 @@ _BLOCK = "block"
 def reduce_together(tensors: list[torch.Tensor], mesh) -> list[torch.Tensor]:
     """All-reduce (sum) several partial sums in one collective; each comes back in its own shape."""
     flat = funcol.all_reduce(torch.cat([t.reshape(-1) for t in tensors]), "sum", mesh)
-    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
 
 
 def gather_columns(local_outputs: list[torch.Tensor], mesh) -> list[torch.Tensor]:
@@ -77,7 +82,8 @@ def _reduce_outputs_hook(module, args, output, *, mesh, expected: int):
     outputs = output if isinstance(output, tuple) else (output,)
     if len(outputs) != expected:
         raise ValueError(
-            f"{type(module).__name__} returned {len(outputs)} outputs, but the tensor-parallel plan leaves {expected} partial sums "
+            f"{type(module).__name__} returned {len(outputs)} outputs, but the tensor-parallel plan leaves {expected} "
+            f"partial sums "
             f"there to reduce together. Its attention processor is not the one the plan was written for (FLUX.1's "
             f"IP-Adapter processor returns a third, unsharded output): IP-Adapters are not supported under tensor "
             f"parallelism. Unload it (`pipe.unload_ip_adapter()`), or load the model without a parallel_config."
@@ -132,8 +138,6 @@ def _flux_block_forward(self, hidden_states, encoder_hidden_states, temb, image_
 def _flux2_block_forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
                          image_rotary_emb=None, joint_attention_kwargs=None):
     """`Flux2TransformerBlock.forward` (diffusers 0.42.1) with both feed-forwards reduced in one all-reduce."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
-
     joint_attention_kwargs = joint_attention_kwargs or {}
     (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(temb_mod_img, 2)
     (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = Flux2Modulation.split(
@@ -250,60 +254,72 @@ def source_digest(function) -> str:
 # --- hoisted modulation ------------------------------------------------------------------------------------------
 
 
-def _hoist_hook(module, args, output, *, linears: list, mesh):
-    """Right after the `temb` module: every hoisted Linear's local output, then one all-gather for all."""
-    activated = F.silu(output)
-    inputs = []
-    for linear, first_half in linears:
-        x = activated.to(linear.weight.dtype)
-        inputs.append(x.chunk(2, dim=0)[0] if first_half else x)
-    outputs = gather_columns([_local_linear(linear, x) for (linear, _), x in zip(linears, inputs)], mesh)
-    for (linear, _), x, full in zip(linears, inputs, outputs):
-        linear._nd_hoisted, linear._nd_hoisted_input = full, x
+@dataclass
+class HoistedOutput:
+    """What one hoisted Linear needs: its output for the current forward, computed early (None outside a forward),
+    the input it was computed from (to check the plan's declaration in eager mode), and names for messages."""
+
+    mesh: object
+    name: str
+    source: str
+    first_half: bool
+    output: torch.Tensor | None = None
+    input: torch.Tensor | None = None
+    warned: bool = False
+
+
+class HoistModulation(ModelHook):
+    """On the `temb` module: right after it runs, every hoisted Linear's local output, then one all-gather for all.
+
+    A named diffusers hook (`HOIST_HOOK`): the module runs outside the compiled blocks, once per forward.
+    """
+
+    def __init__(self, linears: list[torch.nn.Linear], mesh):
+        super().__init__()
+        self.linears, self.mesh = linears, mesh
+
+    def post_forward(self, module, output):
+        activated = F.silu(output)
+        inputs = []
+        for linear in self.linears:
+            x = activated.to(linear.weight.dtype)
+            inputs.append(x.chunk(2, dim=0)[0] if linear._nd_hoist.first_half else x)
+        local = [_local_linear(linear, x) for linear, x in zip(self.linears, inputs, strict=True)]
+        for linear, x, full in zip(self.linears, inputs, gather_columns(local, self.mesh), strict=True):
+            linear._nd_hoist.output, linear._nd_hoist.input = full, x
+        return output
+
+
+HOIST_HOOK = "neuron_diffusers.hoist_modulation"
 
 
 def _hoisted_forward(self, input: torch.Tensor) -> torch.Tensor:
     """Return this Linear's slice of the hoisted all-gather (checked against the real input when not compiling)."""
-    output = self._nd_hoisted
-    if output is None:
+    hoist = self._nd_hoist
+    if hoist.output is None:
         raise RuntimeError(
-            f"{self._nd_hoisted_name} is hoisted (GatheredColwiseParallel(hoist_from='{self._nd_hoisted_source}')): its "
-            f"output is computed when '{self._nd_hoisted_source}' runs inside the model's forward, so it cannot be "
-            f"called on its own. Call the whole model, or plan it with GatheredColwiseParallel() (no hoist_from)."
+            f"{hoist.name} is hoisted (GatheredColwiseParallel(hoist_from='{hoist.source}')): its output is computed "
+            f"when '{hoist.source}' runs inside the model's forward, so it cannot be called on its own. Call the "
+            "whole model, or plan it with GatheredColwiseParallel() (no hoist_from)."
         )
-    if not torch.compiler.is_compiling() and not torch.equal(input, self._nd_hoisted_input):  # shape included
-        if not self._nd_warned:
+    if not torch.compiler.is_compiling() and not torch.equal(input, hoist.input):  # shape included
+        if not hoist.warned:
             logger.warning(
                 "%s's input is not silu(%s output) as its plan declares: computing it with its own all-gather "
                 "instead (correct, one more collective per call). Fix the plan's hoist_from/first_half_if.",
-                self._nd_hoisted_name, self._nd_hoisted_source,
+                hoist.name, hoist.source,
             )
-            self._nd_warned = True
-        return gather_columns([_local_linear(self, input)], self._nd_tp_mesh)[0]
-    return output
+            hoist.warned = True
+        return gather_columns([_local_linear(self, input)], hoist.mesh)[0]
+    return hoist.output
 
 
 def _clear_hoisted(module, args, output, *, linears: list):
     for linear in linears:
-        linear._nd_hoisted = linear._nd_hoisted_input = None
+        linear._nd_hoist.output = linear._nd_hoist.input = None
 
 
 # --- plan reading and installation -------------------------------------------------------------------------------
-
-
-def _rule_targets(model: torch.nn.Module, pattern: str) -> list[tuple[torch.nn.Module, str, str]]:
-    """(block, the block's name, path relative to the block) for each module a rule names; a rule without `*`
-    acts on the model itself (named "")."""
-    prefix, star, suffix = pattern.partition("*")
-    if not star:
-        return [(model, "", pattern)]
-    container = prefix.strip(".")
-    return [(block, f"{container}.{index}", suffix.strip("."))
-            for index, block in enumerate(model.get_submodule(container))]
-
-
-def _full_name(block_name: str, path: str) -> str:
-    return f"{block_name}.{path}" if block_name else path
 
 
 def check_plan(model: torch.nn.Module, plan: dict, *, whole_plan: bool = True) -> None:
@@ -317,15 +333,18 @@ def check_plan(model: torch.nn.Module, plan: dict, *, whole_plan: bool = True) -
         if isinstance(style, PartialRowwiseParallel):
             if "*" not in pattern:
                 raise ValueError(
-                    f"Tensor-parallel plan rule '{pattern}': PartialRowwiseParallel reduces within a block, so its rule "
+                    f"Tensor-parallel plan rule '{pattern}': PartialRowwiseParallel reduces within a block, so its "
+                    "rule "
                     "must name a Linear inside a ModuleList of blocks ('blocks.*.path'). Use 'rowwise' here."
                 )
-            for block, _, path in _rule_targets(model, pattern)[:1]:
+            for target in expand_rule(model, pattern)[:1]:
+                block, path = target.block, target.path
                 if style.reduced_at == _BLOCK:
                     block_rules.setdefault(_stock_class(type(block)), set()).add(path)
                 elif not path.startswith(style.reduced_at + "."):
                     raise ValueError(
-                        f"Tensor-parallel plan rule '{pattern}': PartialRowwiseParallel(reduced_at='{style.reduced_at}') "
+                        f"Tensor-parallel plan rule '{pattern}': "
+                        f"PartialRowwiseParallel(reduced_at='{style.reduced_at}') "
                         f"must name a Linear inside '{style.reduced_at}', whose outputs get reduced. Point reduced_at "
                         "at a module around the Linear that returns its (partial) output."
                     )
@@ -350,7 +369,8 @@ def check_plan(model: torch.nn.Module, plan: dict, *, whole_plan: bool = True) -
             supported = {name: list(linears) for name, (_, linears, _) in COALESCED_FORWARDS.items()}
             raise ValueError(
                 f"Tensor-parallel plan reduces {sorted(paths)} of {block_cls.__name__} in the block "
-                f"(PartialRowwiseParallel(reduced_at='block')), but neuron_diffusers has no coalesced forward for that: "
+                f"(PartialRowwiseParallel(reduced_at='block')), but neuron_diffusers has no coalesced forward for "
+                "that: "
                 f"supported blocks and their Linears: {supported}. Use 'rowwise' for these Linears."
             )
         if source_digest(block_cls.forward) != known[2]:
@@ -367,31 +387,32 @@ def install(model: torch.nn.Module, plan: dict, mesh) -> None:
     hoisted: dict[str, list] = {}
     for pattern, style in plan.items():
         if isinstance(style, PartialRowwiseParallel):
-            for block, block_name, _ in _rule_targets(model, pattern):
-                groups.setdefault((block_name, style.reduced_at), [block, 0])[1] += 1
+            for target in expand_rule(model, pattern):
+                groups.setdefault((target.block_name, style.reduced_at), [target.block, 0])[1] += 1
         elif isinstance(style, GatheredColwiseParallel) and style.hoist_from is not None:
             first_half = bool(style.first_half_if and getattr(model.config, style.first_half_if))
-            for _, block_name, path in _rule_targets(model, pattern):
-                name = _full_name(block_name, path)
-                hoisted.setdefault(style.hoist_from, []).append((model.get_submodule(name), first_half, name))
+            for target in expand_rule(model, pattern):
+                hoisted.setdefault(style.hoist_from, []).append((target.module, first_half, target.name))
 
     for (_, reduced_at), (block, count) in groups.items():
         if reduced_at == _BLOCK:
             block._nd_tp_mesh = mesh
             _with_forward(block, COALESCED_FORWARDS[type(block).__name__][0])
         else:
+            # A plain torch hook, the same function for every block: it runs inside the compiled blocks, where one
+            # shared hook keeps one graph for all of them.
             hook = functools.partial(_reduce_outputs_hook, mesh=mesh, expected=count)
             block.get_submodule(reduced_at).register_forward_hook(hook)
 
     every_hoisted = []
     for source, entries in hoisted.items():
-        for linear, _, name in entries:
+        for linear, first_half, name in entries:
             _with_forward(linear, _hoisted_forward)
-            linear._nd_tp_mesh, linear._nd_hoisted_name, linear._nd_hoisted_source = mesh, name, source
-            linear._nd_hoisted = linear._nd_hoisted_input = None
-            linear._nd_warned = False
+            linear._nd_hoist = HoistedOutput(mesh, name, source, first_half)
             every_hoisted.append(linear)
-        linears = [(linear, first_half) for linear, first_half, _ in entries]
-        model.get_submodule(source).register_forward_hook(functools.partial(_hoist_hook, linears=linears, mesh=mesh))
+        registry = HookRegistry.check_if_exists_or_initialize(model.get_submodule(source))
+        registry.register_hook(HoistModulation([linear for linear, _, _ in entries], mesh), HOIST_HOOK)
     if every_hoisted:
+        # A plain torch hook: `always_call` clears the outputs even when the forward raises, which a diffusers
+        # `post_forward` would not.
         model.register_forward_hook(functools.partial(_clear_hoisted, linears=every_hoisted), always_call=True)

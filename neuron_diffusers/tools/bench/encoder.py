@@ -21,13 +21,24 @@ which is why the checkpoint is built in a spawned process too.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
+import resource
 import shutil
 import tempfile
 from pathlib import Path
 
-from .spawn import run_on_cpu_ranks
+import torch
+import torch.distributed as dist
+from diffusers import DiffusionPipeline, FluxTransformer2DModel
+from transformers import PreTrainedModel, T5Config, T5EncoderModel
+
+from ... import tiny
+from ...distributed import init_distributed
+from ...runner import load_pipeline
+from ..spawn import run_on_cpu_ranks
+from .rss import process_rss_mib
 
 MIB = 2**20
 FP32_BYTES = 4
@@ -55,12 +66,6 @@ def _build_on_a_rank(path: str, encoder_mib: float, seed: int) -> dict:
     The tiny FLUX.1 build, then `text_encoder_2` and the transformer rebuilt at the new text width and saved
     over theirs with `save_pretrained`.
     """
-    import torch
-    from diffusers import FluxTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
-
-    from . import tiny
-
     root = tiny.build_tiny("flux", path, seed=seed)
     t5_config = T5Config.from_pretrained(root / "text_encoder_2")
     width = t5_width(encoder_mib, t5_config.vocab_size)
@@ -94,19 +99,11 @@ def build_checkpoint(path: Path, encoder_mib: float = 512, seed: int = 0) -> dic
 
 def _rss_mib() -> dict[str, float]:
     """This process's current RSS, its own peak (`VmHWM`), and `ru_maxrss` (see the module doc), in MiB."""
-    import resource
-
-    from .bench_rss import process_rss_mib
-
     return {**process_rss_mib(), "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB
 
 
 def _alive_pretrained_models() -> list[str]:
     """Class names of every `transformers.PreTrainedModel` alive in this process (nested ones, e.g. T5Stack, too)."""
-    import gc
-
-    from transformers import PreTrainedModel
-
     gc.collect()
     # `issubclass(type(...))`, not `isinstance`: it reads no attribute, so deprecated module-level objects
     # (e.g. `torch.distributed.reduce_op`) do not warn.
@@ -123,10 +120,6 @@ def _report(loaded: dict, images, **fields) -> dict:
 
 def _tp_rank(checkpoint: str, height: int, width: int, steps: int) -> dict:
     """One TP=2 rank: `load_pipeline` + one `generate`."""
-    import torch.distributed as dist
-
-    from . import init_distributed, load_pipeline
-
     mesh = init_distributed(tp=2)
     pipe = load_pipeline(checkpoint, mesh)
     loaded = _rss_mib()
@@ -138,9 +131,6 @@ def _tp_rank(checkpoint: str, height: int, width: int, steps: int) -> dict:
 
 def _stock_process(checkpoint: str, height: int, width: int, steps: int) -> dict:
     """The stock way: the whole pipeline in one process, as every rank would hold it without our runner."""
-    import torch
-    from diffusers import DiffusionPipeline
-
     pipe = DiffusionPipeline.from_pretrained(checkpoint)
     loaded = _rss_mib()
     pipe.set_progress_bar_config(disable=True)
@@ -160,8 +150,6 @@ def measure(encoder_mib: float = 512, steps: int = 2, directory: Path | None = N
 
     `result["tp2"]` has one row per rank (rank order), `result["stock"]` the single stock process.
     """
-    from . import tiny
-
     height, width = tiny.default_size("flux")
     with tempfile.TemporaryDirectory(prefix="neuron-diffusers-encoder-") as tmp:
         path = Path(directory) if directory is not None else Path(tmp) / "flux-big-t5"
@@ -210,18 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of the table")
 
 
-def main_with(args: argparse.Namespace) -> dict:
+def main(args: argparse.Namespace) -> dict:
     result = measure(args.encoder_mib, args.steps, args.dir)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return result
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m neuron_diffusers.bench_encoder",
-                                     description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    main_with(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

@@ -8,16 +8,15 @@ stream) over a single packed video + audio + text sequence. Each block is Megatr
   are RMSNorm over `head_dim` and the rotary embedding rotates channels within each head, so both
   act per head and are unchanged by head sharding. (The stock processor's
   `unflatten(-1, (attn.heads, -1))` needs `attn.heads` set to the local head count once sharded;
-  `integration.py` does that.)
+  `parallel/patches.py` does that.)
 - feed-forward: diffusers `FeedForward(activation_fn="swiglu")`, i.e. `net.0` = `SwiGLU` whose
   `proj` (5376 -> 2 x 14336) is `chunk(2)`ed into value and gate halves, then `net.2` (14336 -> 5376).
   `PackedColwiseParallel([1, 1])` gives each rank the matching slices of both halves; `net.2` rowwise.
 - AdaLN: `adaln_proj.linear` (2688 -> 6 x 3 x 5376: six parameters for each of three modalities)
   is 39% of the model. `GatheredColwiseParallel(hoist_from="time_embedder")`: every block's
-  projection and `norm_out.linear` read `silu(temb)` of the one shared `temb`, so right after
-  `time_embedder` each rank computes 1/tp of every one's output columns and ONE all-gather per
-  forward rebuilds all 51 tables exactly (no reduction, so bit-identical to one process), which the
-  blocks then `view`, `chunk` and index per row as usual. The text input projection
+  projection and `norm_out.linear` read `silu(temb)` of the one shared `temb` (see `styles.py`), and
+  one all-gather per forward rebuilds all 51 tables, which the blocks then `view`, `chunk` and index
+  per row as usual. The text input projection
   `context_embedder` (5120 -> 5376, 0.08%) stays replicated: sharding it would cost a second
   collective. Per forward: 2 all-reduces per block (50 + 2 refiner blocks) and 1 all-gather.
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .consistency import checksum
+from ..consistency import checksum
 
 #: The branch each CFG rank computes, named as the pipelines name their `cache_context`s.
 BRANCHES = ("cond", "uncond")
@@ -81,12 +81,13 @@ def exchange(tensor: torch.Tensor, group) -> list[torch.Tensor]:
         gathered = [torch.empty_like(tensor) for _ in range(size)]
         dist.all_gather(gathered, tensor, group=group)
         return gathered
-    largest = [max(dims) for dims in zip(*shapes)]
-    padding = [p for mine, most in zip(reversed(tensor.shape), reversed(largest)) for p in (0, most - mine)]
+    largest = [max(dims) for dims in zip(*shapes, strict=True)]
+    padding = [p for mine, most in zip(reversed(tensor.shape), reversed(largest), strict=True)
+               for p in (0, most - mine)]
     padded = F.pad(tensor, padding)
     gathered = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(gathered, padded, group=group)
-    return [full[tuple(slice(0, n) for n in s)] for full, s in zip(gathered, shapes)]
+    return [full[tuple(slice(0, n) for n in s)] for full, s in zip(gathered, shapes, strict=True)]
 
 
 def _digest(value):
@@ -109,11 +110,11 @@ def _same(a, b, rtol: float = 1e-5) -> bool:
         if a[1:3] != b[1:3]:
             return False
         scale = rtol * max(1.0, abs(a[3][1]) if a[3] else 0.0)
-        return all(abs(x - y) <= scale for x, y in zip(a[3], b[3]))
+        return all(abs(x - y) <= scale for x, y in zip(a[3], b[3], strict=True))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k], rtol) for k in a)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y, rtol) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y, rtol) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -237,7 +238,8 @@ class CFGParallelTransformer(torch.nn.Module):
                 )
         for branch, computed_by, by, wanted, wanted_by in (("uncond", computed1, rank1, requested0, rank0),
                                                            ("cond", computed0, rank0, requested1, rank1)):
-            differing = sorted(n for n in set(computed_by) | set(wanted) if not _same(computed_by.get(n), wanted.get(n)))
+            differing = sorted(n for n in set(computed_by) | set(wanted)
+                               if not _same(computed_by.get(n), wanted.get(n)))
             if differing:
                 raise CFGBranchMismatchError(
                     f"CFG parallelism computed a different {branch} branch than the pipeline asked for: input(s) "

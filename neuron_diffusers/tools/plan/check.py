@@ -4,7 +4,7 @@ Most plan mistakes show in the shapes alone: a rule that names nothing (a typo, 
 the module), a colwise Linear whose split output nothing puts back together, packed proportions that do not
 divide the fused Linear, a degree that splits a head. The check builds the model on the `meta` device (shapes
 only: a 13 B model in a second) and reads the plan through diffusers' own `resolve_tp_shard_specs`
-(`integration.shard_specs`), the function the loader streams each rank's slice with. What shapes cannot show
+(`patches.shard_specs`), the function the loader streams each rank's slice with. What shapes cannot show
 (packed proportions that divide but are wrong, a partner that is the wrong Linear) takes numbers:
 `plan verify`.
 """
@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import coalesce, tp_plans
-from .integration import check_plan_matches, shard_specs, style_kind
-from .plan_report import human_params, meta_model, param_group, valid_tp_degrees
-from .tp_plans import FAMILY_PLANS
+from ... import families, tp_plans
+from ...parallel import coalesce
+from ...parallel.patches import shard_specs
+from ...parallel.rules import expand, expand_rule, style_kind
+from .meta import meta_transformer
+from .report import human_params, param_group, valid_tp_degrees
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,14 @@ def load_plan(spec: str) -> NamedPlan:
     A plan file is written like ours in `tp_plans/` and may import `.styles` relatively: it is run as a
     module of that package (but not registered in it).
     """
-    if spec in FAMILY_PLANS:
-        module = FAMILY_PLANS[spec]
+    if families.is_family(spec):
+        module = families.get(spec).plan_module
         return NamedPlan(spec, module.__name__, module.PLAN, module.MODEL_CLASS)
     path = Path(spec)
     if path.suffix != ".py" or not path.is_file():
+        names = ", ".join(f.name for f in families.FAMILIES)
         raise FileNotFoundError(
-            f"Plan '{spec}' is neither a registered family ({', '.join(FAMILY_PLANS)}) nor a plan file. Name a "
+            f"Plan '{spec}' is neither a registered family ({names}) nor a plan file. Name a "
             "family, or pass a .py file that assigns `PLAN = {...}` like neuron_diffusers/tp_plans/flux.py."
         )
     module_spec = importlib.util.spec_from_file_location(f"{tp_plans.__name__}.{path.stem}", path)
@@ -75,41 +77,6 @@ def load_plan(spec: str) -> NamedPlan:
         raise ValueError(f"{path} assigns no non-empty `PLAN` dict: a plan file maps module-path globs to styles, "
                          "e.g. `PLAN = {\"transformer_blocks.*.attn.to_q\": \"colwise\", ...}`.")
     return NamedPlan(path.stem, str(path), rules, getattr(module, "MODEL_CLASS", None))
-
-
-def _diffusers_model_class(name: str | None, source: str):
-    import diffusers
-
-    cls = getattr(diffusers, name, None) if name else None
-    if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin)):
-        raise ValueError(f"'{name}' ({source}) is not a diffusers model class. Give a class diffusers exports (e.g. "
-                         f"HunyuanVideoTransformer3DModel), a family ({', '.join(FAMILY_PLANS)}) or a checkpoint folder.")
-    return cls
-
-
-def meta_instance(model: str) -> tuple[str, torch.nn.Module]:
-    """`(description, transformer on meta)` for a family or class name (default config) or a checkpoint folder.
-
-    A folder is a pipeline checkpoint (its `transformer/config.json`) or a model folder (`config.json`); its
-    class comes from the config's `_class_name`, so classes without a plan of ours work too.
-    """
-    if model in FAMILY_PLANS:
-        return f"{FAMILY_PLANS[model].MODEL_CLASS} (default config)", meta_model(model)[1]
-    path = Path(model)
-    if path.is_dir():
-        folder = path / "transformer" if (path / "transformer" / "config.json").is_file() else path
-        config_file = folder / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{path} has neither transformer/config.json nor config.json: pass a pipeline "
-                                    "folder or a model folder that `save_pretrained` wrote, or name a model class.")
-        cls = _diffusers_model_class(json.loads(config_file.read_text()).get("_class_name"), str(config_file))
-        with torch.device("meta"):
-            return f"{cls.__name__} (config of {folder})", cls.from_config(cls.load_config(folder))
-    if "/" in model or model.startswith("."):
-        raise FileNotFoundError(f"Model folder {model} does not exist.")
-    cls = _diffusers_model_class(model, "the model to check against")
-    with torch.device("meta"):
-        return f"{model} (default config)", cls()
 
 
 _PACKED_HINT = (" Packed blocks are the proportions of the fused parts along the split dimension, in order: [1, 1] "
@@ -124,7 +91,7 @@ def _rule_errors(model: torch.nn.Module, plan: dict) -> tuple[list[Finding], set
     errors, unmatched, unresolved = [], set(), set()
     for rule, style in plan.items():
         try:
-            check_plan_matches(model, {rule: style})
+            expand(model, {rule: style})
         except ValueError as error:
             errors.append(Finding(rule, str(error)))
             unmatched.add(rule)
@@ -142,11 +109,9 @@ def _blocks(model: torch.nn.Module, plan: dict) -> dict[str, tuple[torch.nn.Modu
     that ModuleList (matching already required every block to have the module), the rest on the model."""
     blocks: dict[str, tuple[torch.nn.Module, dict[str, str]]] = {}
     for rule, style in plan.items():
-        prefix, star, suffix = rule.partition("*")
-        key = f"{prefix}*." if star else ""
-        if key not in blocks:
-            blocks[key] = (model.get_submodule(prefix.strip("."))[0] if star else model, {})
-        blocks[key][1][suffix.strip(".") if star else rule] = style_kind(style)
+        first = expand_rule(model, rule, style)[0]
+        key = f"{first.container}.*." if first.block_name else ""
+        blocks.setdefault(key, (first.block, {}))[1][first.path] = style_kind(style)
     return blocks
 
 
@@ -283,10 +248,11 @@ def model_for(plan: NamedPlan, model: str | None, command: str) -> str:
     return model or plan.model_class
 
 
-def main_with(args) -> int:
+def main(args) -> int:
     """The CLI: print the report; exit status 1 when it found errors."""
     plan = load_plan(args.plan)
-    description, model = meta_instance(model_for(plan, args.model, "plan check"))
+    meta = meta_transformer(model_for(plan, args.model, "plan check"))
+    description, model = meta.description, meta.module
     report = check_plan(model, plan.rules, args.tp)
     print(format_check(report, plan, description))
     return 1 if report.errors else 0

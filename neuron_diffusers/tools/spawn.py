@@ -15,6 +15,8 @@ import time
 import traceback
 from datetime import timedelta
 
+import torch.distributed as dist
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -23,8 +25,6 @@ def _free_port() -> int:
 
 
 def _rank_main(fn, rank, world_size, port, timeout_s, args, results) -> None:
-    import torch.distributed as dist
-
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

@@ -1,12 +1,12 @@
 """Per-rank weight memory of every family at TP 1/2/4/8, our plans vs stock, against the total/N limit.
 
-`python -m neuron_diffusers.bench_memory [--out DIR]` (or `neuron-diffusers bench memory`) prints a
+`neuron-diffusers bench memory [--out DIR]` prints a
 markdown table and writes `memory.json`, `memory.md` and `memory.png` into DIR. Every figure is
-measured by `plan_report` on the full-size default configs built on the `meta` device, so the run
+measured by `plan report` on the full-size default configs built on the `meta` device, so the run
 takes seconds on a laptop and nothing in it is hand-maintained. MiniMax-H3 has no stock plan:
 stock loads the full model on every rank, so its stock per-rank figure is the total.
 
-`--rss` runs the other benchmark instead: peak RSS of a real tensor-parallel load (`bench_rss`).
+`--rss` runs the other benchmark instead: peak RSS of a real tensor-parallel load (`rss.py`).
 """
 
 from __future__ import annotations
@@ -15,31 +15,33 @@ import argparse
 import json
 from pathlib import Path
 
-from . import bench_plot, bench_rss
-from .plan_report import BF16_BYTES, GIB, meta_model, per_rank_params, plan_dict
-from .tp_plans import FAMILY_PLANS, model_class, stock_plan
+from ... import families
+from ...parallel.patches import stock_plan
+from ..plan.meta import meta_transformer
+from ..plan.report import BF16_BYTES, GIB, per_rank_params, plan_dict
+from . import plot, rss
 
 DEGREES = (1, 2, 4, 8)
-NAMES = {"flux": "FLUX.1", "flux2": "FLUX.2", "qwenimage": "Qwen-Image", "qwenimage21": "Qwen-Image-2.1",
-         "h3": "MiniMax-H3", "hunyuanvideo": "HunyuanVideo"}
+ALL_FAMILIES = tuple(family.name for family in families.FAMILIES)
 
 
 def _gib(params: float) -> float:
     return params * BF16_BYTES / GIB
 
 
-def measure(families=tuple(FAMILY_PLANS), degrees=DEGREES) -> list[dict]:
+def measure(names=ALL_FAMILIES, degrees=DEGREES) -> list[dict]:
     """One row per (family, degree): total, limit, stock and our per-rank GiB in bf16.
 
     A degree a plan cannot split evenly gets `None` for that plan (none of the defaults hit this).
     """
     rows = []
-    for family in families:
-        _, model = meta_model(family)
+    for name in names:
+        family = families.get(name)
+        model = meta_transformer(name).module
         total = sum(p.numel() for p in model.parameters())
-        ours, stock = plan_dict(family, "ours"), stock_plan(model_class(family))
+        ours, stock = plan_dict(family, "ours"), stock_plan(family.model_class())
         for tp in degrees:
-            row = {"family": family, "name": NAMES[family], "model_class": type(model).__name__, "tp": tp,
+            row = {"family": name, "name": family.display_name, "model_class": type(model).__name__, "tp": tp,
                    "total_gib": _gib(total), "limit_gib": _gib(total / tp), "stock_has_plan": stock is not None}
             for label, plan in (("stock", stock), ("ours", ours)):
                 try:
@@ -70,16 +72,16 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(out: Path, families=tuple(FAMILY_PLANS), degrees=DEGREES) -> dict[str, Path]:
+def run(out: Path, names=ALL_FAMILIES, degrees=DEGREES) -> dict[str, Path]:
     """Measure, print the table, and write `memory.json`, `memory.md`, `memory.png` into `out`."""
-    rows = measure(families, degrees)
+    rows = measure(names, degrees)
     table = markdown(rows)
     print(table, end="")
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "memory.json", "md": out / "memory.md", "png": out / "memory.png"}
     paths["json"].write_text(json.dumps(rows, indent=2) + "\n")
     paths["md"].write_text(table)
-    bench_plot.grouped_bars(rows, paths["png"])
+    plot.grouped_bars(rows, paths["png"])
     return paths
 
 
@@ -90,20 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: peak RSS of a plain vs a TP=2 load of a generated ~0.5 GB checkpoint")
 
 
-def main_with(args: argparse.Namespace) -> None:
+def main(args: argparse.Namespace) -> None:
     if args.rss:
-        bench_rss.run()
+        rss.run()
     else:
         paths = run(args.out)
         print(f"wrote {', '.join(str(p) for p in paths.values())}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m neuron_diffusers.bench_memory",
-                                     description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    main_with(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

@@ -16,56 +16,43 @@ once). `bench collectives` checks these counts at run time.
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
-from pathlib import Path
 
 import torch
 
-from .checkpoint import component_class_name
-from .distributed import divisors
-from .integration import shard_specs, style_kind
-from .tp_plans import FAMILY_PLANS, model_class, stock_plan
+from ...cli import positive_int
+from ...distributed import divisors
+from ...families import Family
+from ...parallel.patches import shard_specs, stock_plan
+from ...parallel.rules import collectives_per_forward
+from .meta import MetaModel, meta_transformer
 
 PLANS = ("ours", "stock")
 BF16_BYTES = 2
 GIB = 2**30
 
 
-def _family_of(class_name: str, source: str) -> str:
-    for family, module in FAMILY_PLANS.items():
-        if module.MODEL_CLASS == class_name:
-            return family
-    supported = ", ".join(m.MODEL_CLASS for m in FAMILY_PLANS.values())
-    raise ValueError(f"{source} has a {class_name} transformer, which has no tensor-parallel plan here. "
-                     f"Supported transformers: {supported}.")
+def planned_model(model: str) -> MetaModel:
+    """`meta_transformer(model)`, refused unless one of our families plans its class."""
+    meta = meta_transformer(model)
+    if meta.family is None:
+        raise ValueError(f"{model} has a {type(meta.module).__name__} transformer, which has no tensor-parallel plan "
+                         f"here. Plan one first (docs/authoring.md), or use `plan check` with a plan file.")
+    return meta
 
 
-def meta_model(model: str) -> tuple[str, torch.nn.Module]:
-    """`(family, transformer on meta)` for a family name (its full-size default config) or a checkpoint folder."""
-    if model in FAMILY_PLANS:
-        with torch.device("meta"):
-            return model, model_class(model)()
-    if not Path(model).is_dir():
-        raise FileNotFoundError(f"Model '{model}' is neither a family ({', '.join(FAMILY_PLANS)}) nor a checkpoint "
-                                "folder. Name a family, or pass the folder that `save_pretrained` wrote.")
-    family = _family_of(component_class_name(Path(model), "transformer"), model)
-    cls = model_class(family)
-    config = cls.load_config(model, subfolder="transformer")
-    with torch.device("meta"):
-        return family, cls.from_config(config)
-
-
-def plan_dict(family: str, plan: str) -> dict:
+def plan_dict(family: Family, plan: str) -> dict:
     """The plan named `plan` ("ours" or "stock") for `family`'s transformer."""
     if plan not in PLANS:
         raise ValueError(f"Unknown plan '{plan}': choose one of {', '.join(PLANS)}.")
     if plan == "ours":
-        return FAMILY_PLANS[family].PLAN
-    cls = model_class(family)
-    stock = stock_plan(cls)
+        return family.plan
+    stock = stock_plan(family.model_class())
     if stock is None:
-        raise ValueError(f"diffusers ships no tensor-parallel plan for {cls.__name__} ({family}): stock loads the "
-                         "full model on every rank. Use --plan ours.")
+        raise ValueError(f"diffusers ships no tensor-parallel plan for {family.model_class_name} ({family.name}): "
+                         "stock loads the full model on every rank. Use --plan ours.")
     return stock
 
 
@@ -99,26 +86,6 @@ def valid_tp_degrees(model: torch.nn.Module, plan: dict) -> list[int]:
     return valid
 
 
-def _planned_calls(model: torch.nn.Module, plan: dict) -> dict[str, int]:
-    """Collectives per forward: one per module a rule matches (globs expand over a ModuleList), except for the
-    coalescing styles, which share one call per block and reduction point, or per hoist source."""
-    counts = {"all_reduce": 0, "all_gather": 0}
-    shared = set()  # (kind, container, point) already counted
-    for pattern, style in plan.items():
-        prefix, star, _ = pattern.partition("*")
-        matches = len(model.get_submodule(prefix.strip("."))) if star else 1
-        kind = {"rowwise": "all_reduce", "gathered": "all_gather"}.get(style_kind(style))
-        hoisted = getattr(style, "hoist_from", None)
-        reduced_at = getattr(style, "reduced_at", None)
-        key = ("hoist", hoisted) if hoisted else ("reduce", prefix, reduced_at) if reduced_at else None
-        if kind is None or key in shared:
-            continue
-        if key is not None:
-            shared.add(key)
-        counts[kind] += 1 if hoisted else matches
-    return counts
-
-
 def param_group(param_name: str) -> str:
     """`transformer_blocks.3.norm1.linear.weight` -> `transformer_blocks.*.norm1.linear` (first index = the block)."""
     module_path = param_name.rpartition(".")[0] or param_name
@@ -141,7 +108,8 @@ def plan_report(model: str, tp: int, plan: str = "ours") -> dict:
     `transformer/config.json`). Raises `ValueError` naming the valid degrees when `tp` does not
     split the model. Collectives assume each planned Linear runs once per forward (module docstring).
     """
-    family, meta = meta_model(model)
+    planned = planned_model(model)
+    meta, family = planned.module, planned.family
     rules = plan_dict(family, plan)
     valid = valid_tp_degrees(meta, rules)
     if tp not in valid:
@@ -154,12 +122,12 @@ def plan_report(model: str, tp: int, plan: str = "ours") -> dict:
     sharded = sharded_names(meta, rules, tp)
     per_rank = held_params(meta, sharded, tp)
     replicated = _replicated(meta, sharded, total)
-    calls = _planned_calls(meta, rules)
+    calls = collectives_per_forward(meta, rules)
     return {
         "model": str(model),
-        "family": family,
+        "family": family.name,
         "model_class": type(meta).__name__,
-        "config": "default" if model in FAMILY_PLANS else "checkpoint",
+        "config": planned.config,
         "tp": tp,
         "plan": plan,
         "total_params": total,
@@ -217,3 +185,16 @@ def format_report(report: dict, top: int = 12) -> str:
             lines.append(f"  {f'... {len(rest)} more':<52} {human_params(rest_params):>10} "
                          f"{rest_params / report['total_params']:>7.2%}")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="family name (full-size default config) or checkpoint folder (its transformer config)")
+    parser.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel degree")
+    parser.add_argument("--plan", choices=PLANS, default="ours")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def main(args: argparse.Namespace) -> None:
+    report = plan_report(args.model, args.tp, args.plan)
+    print(json.dumps(report) if args.json else format_report(report))

@@ -16,18 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 
-from .spawn import run_on_cpu_ranks
+import torch
 
-FAMILIES = ("qwenimage", "qwenimage21", "flux")
+from ... import families
+from ...distributed import init_distributed
+from ...runner import load_pipeline
+from ..spawn import run_on_cpu_ranks
+
+#: The families with true CFG (a negative prompt), the ones CFG parallelism speeds up.
+FAMILIES = tuple(f.name for f in families.FAMILIES if f.adapter is not None and f.adapter.takes_negative_prompt)
 PROMPT, NEGATIVE = "a red fox in the snow", "blurry, low quality"
 
 
 def _measure_mode(model, mesh_kwargs: dict, call: dict, repeats: int) -> dict:
     """Step seconds and real transformer forwards per image on this rank, for one mesh layout."""
-    import neuron_diffusers as nd
-
-    mesh = nd.init_distributed(**mesh_kwargs)
-    pipe = nd.load_pipeline(model, mesh)
+    mesh = init_distributed(**mesh_kwargs)
+    pipe = load_pipeline(model, mesh)
     kwargs = dict(call, negative_prompt=NEGATIVE, output_type="latent")
     pipe.generate(PROMPT, seed=0, **kwargs)  # warm-up: lazy buffers, allocator
     seconds = pipe.times.seconds.get("denoise + decode", 0.0)
@@ -40,8 +44,6 @@ def _measure_mode(model, mesh_kwargs: dict, call: dict, repeats: int) -> dict:
 
 
 def _rank_bench(model, ranks: int, call: dict, repeats: int) -> dict:
-    import torch
-
     torch.set_num_threads(1)
     return {
         f"serial CFG, tp={ranks}": _measure_mode(model, {"tp": ranks}, call, repeats),
@@ -95,6 +97,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true")
 
 
-def main_with(args) -> None:
+def main(args) -> None:
     result = measure(args.model, args.ranks, args.steps, args.size, args.repeats, args.true_cfg_scale)
     print(json.dumps(result, indent=2) if args.json else format_table(result))

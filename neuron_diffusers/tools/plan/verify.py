@@ -2,7 +2,7 @@
 
 A misplaced style often still runs and returns a plausible but wrong image: packed proportions that divide
 but do not match the fused parts, a processor that splits the wrong number of heads. Only the numbers tell.
-This runs one forward call of a tiny random model (`verify_cases`) in one process, then streams the same
+This runs one forward call of a tiny random model (`cases.py`) in one process, then streams the same
 checkpoint sharded with the plan onto N spawned gloo ranks (the stock `from_pretrained(...,
 parallel_config=TensorParallelConfig(mesh))` path) and reports the largest absolute difference of any rank's
 predictions. In float32 a correct plan differs only by the summation order of its all-reduces.
@@ -15,13 +15,19 @@ import math
 import tempfile
 from pathlib import Path
 
+import diffusers
 import torch
+import torch.distributed.tensor as dtensor
+from diffusers import TensorParallelConfig
 
-from .plan_check import add_plan_argument, load_plan, meta_instance, model_for
-from .plan_report import valid_tp_degrees
-from .spawn import run_on_cpu_ranks
-from .tp_plans import FAMILY_PLANS
-from .verify_cases import Case, build_case, predictions
+from ... import families
+from ...distributed import init_distributed
+from ...parallel.patches import using_plan
+from ..spawn import run_on_cpu_ranks
+from .cases import Case, build_case, predictions
+from .check import add_plan_argument, load_plan, model_for
+from .meta import meta_transformer
+from .report import valid_tp_degrees
 
 DEFAULT_DEGREES = (2, 4)
 DEFAULT_TOLERANCE = 1e-5
@@ -29,12 +35,10 @@ DEFAULT_TOLERANCE = 1e-5
 
 def _sharded_share(model: torch.nn.Module) -> float:
     """The share of the model's parameters that are split across the ranks (not merely wrapped as DTensors)."""
-    from torch.distributed.tensor import DTensor, Shard
-
     total = sharded = 0
     for param in model.parameters():
         total += param.numel()
-        if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+        if isinstance(param, dtensor.DTensor) and any(isinstance(p, dtensor.Shard) for p in param.placements):
             sharded += param.numel()
     return sharded / total
 
@@ -42,7 +46,7 @@ def _sharded_share(model: torch.nn.Module) -> float:
 def _max_abs_diff(outputs: tuple, expected: tuple) -> float:
     if len(outputs) != len(expected) or not expected:
         raise ValueError(f"the sharded model returned {len(outputs)} tensors, one process {len(expected)}")
-    return max((out - ref).abs().max().item() for out, ref in zip(outputs, expected))
+    return max((out - ref).abs().max().item() for out, ref in zip(outputs, expected, strict=True))
 
 
 def _rank_job(case: Case, plans: dict[str, dict], degrees: tuple[int, ...]) -> dict:
@@ -51,18 +55,12 @@ def _rank_job(case: Case, plans: dict[str, dict], degrees: tuple[int, ...]) -> d
     Failures are returned, not raised, so one broken plan does not hide the others' results. (A wrong plan
     fails alike on every rank, so the ranks stay in step.)
     """
-    import diffusers
-    from diffusers import TensorParallelConfig
-
-    import neuron_diffusers as nd
-    from neuron_diffusers.tp_plans import using_plan
-
     torch.set_num_threads(1)  # several ranks share the host's cores
     cls = getattr(diffusers, case.model_class)
     results = {}
     for label, plan in plans.items():
         for tp in degrees:
-            mesh = nd.init_distributed(tp=tp)["tp"]
+            mesh = init_distributed(tp=tp)["tp"]
             try:
                 with using_plan(cls, plan):
                     model = cls.from_pretrained(case.checkpoint, subfolder="transformer",
@@ -80,7 +78,7 @@ def _rank_job(case: Case, plans: dict[str, dict], degrees: tuple[int, ...]) -> d
 
 def _check_degrees(case: Case, plans: dict[str, dict], degrees: tuple[int, ...]) -> None:
     """Every degree must split the tiny model with every plan, or the ranks would fail before comparing."""
-    _, model = meta_instance(str(case.checkpoint / "transformer"))
+    model = meta_transformer(str(case.checkpoint / "transformer")).module
     for label, plan in plans.items():
         valid = valid_tp_degrees(model, plan)
         bad = [tp for tp in degrees if tp not in valid]
@@ -95,7 +93,7 @@ def verify_plans(model: str, plans: dict[str, dict], degrees=DEFAULT_DEGREES, *,
                  timeout_s: float = 300.0) -> dict[str, dict[int, dict]]:
     """`{plan label: {tp: {"diff", "sharded"} or {"error"}}}`: each plan on `model`'s tiny case, TP=tp vs one process.
 
-    `model` is what `verify_cases.build_case` takes. All plans and degrees run in one spawn of `lcm(degrees)`
+    `model` is what `cases.build_case` takes. All plans and degrees run in one spawn of `lcm(degrees)`
     CPU ranks (the TP groups of a smaller degree run side by side); `diff` is the largest over the ranks.
     """
     degrees = tuple(sorted(set(degrees)))
@@ -140,7 +138,8 @@ def format_verify(results: dict[int, dict], plan_name: str, case_model: str, tol
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_argument(parser)
     parser.add_argument("--model", default=None,
-                        help="a tiny pipeline family or a class with a tiny case (verify_cases.TRANSFORMER_CASES); "
+                        help="a tiny pipeline family or a class with a tiny case (TRANSFORMER_CASES in "
+                             "tools/plan/cases.py); "
                              "default: the plan's family, or its MODEL_CLASS")
     parser.add_argument("--tp", type=int, nargs="+", default=list(DEFAULT_DEGREES),
                         help="degrees to compare with one process (default: 2 4, on 4 spawned ranks)")
@@ -150,11 +149,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds the ranks may take")
 
 
-def main_with(args) -> int:
+def main(args) -> int:
     """The CLI: print the comparison; exit status 1 when a degree fails or exceeds the tolerance."""
     plan = load_plan(args.plan)
-    model = args.model or (args.plan if args.plan in FAMILY_PLANS else model_for(plan, None, "plan verify"))
+    model = args.model or (args.plan if families.is_family(args.plan) else model_for(plan, None, "plan verify"))
     results = verify_plans(model, {plan.name: plan.rules}, args.tp, seed=args.seed, timeout_s=args.timeout)[plan.name]
-    case_model = FAMILY_PLANS[model].MODEL_CLASS if model in FAMILY_PLANS else model
+    case_model = families.get(model).model_class_name if families.is_family(model) else model
     print(format_verify(results, plan.name, case_model, args.tolerance))
     return 0 if passed(results, args.tolerance) else 1

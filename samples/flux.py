@@ -2,14 +2,14 @@
 
 Offline, on a tiny random FLUX.1 built on first use (CPU ranks over gloo):
 
-    torchrun --nproc_per_node=2 samples/flux1.py --out flux1.png
+    torchrun --nproc_per_node=2 samples/flux.py --out flux.png
 
 The real model, unchanged script: download black-forest-labs/FLUX.1-dev and pass the folder. Without --height,
 --width and --steps a real checkpoint runs FLUX.1-dev's recommended 1024x1024, 28 steps, guidance 3.5, in bfloat16
 on an accelerator. TP=8 keeps 2.8 GiB of transformer per rank (24 heads: TP 1, 2, 3, 4, 6, 8, 12 or 24):
 
     hf download black-forest-labs/FLUX.1-dev --local-dir /models/FLUX.1-dev
-    torchrun --nproc_per_node=8 samples/flux1.py --model /models/FLUX.1-dev --compile --out flux1.png
+    torchrun --nproc_per_node=8 samples/flux.py --model /models/FLUX.1-dev --compile --out flux.png
 """
 
 import argparse
@@ -35,7 +35,7 @@ parser.add_argument("--steps", type=int)
 parser.add_argument("--guidance-scale", type=float, default=3.5)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--compile", nargs="?", const="auto", metavar="BACKEND", help="compile the repeated blocks")
-parser.add_argument("--out", type=Path, default=Path("flux1.png"))
+parser.add_argument("--out", type=Path, default=Path("flux.png"))
 args = parser.parse_args()
 
 tiny_model = args.model == "flux"

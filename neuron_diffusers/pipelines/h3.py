@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from diffusers import ModularPipeline
+from diffusers.modular_pipelines import SequentialPipelineBlocks
 
-from ..media import VideoWithAudio
-from ..checkpoint import read_config
-from .base import PipelineAdapter, bucket_for, model_on_meta
+from ..media import VideoWithAudio, save_video
+from .base import PipelineAdapter, bucket_for
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
 
 WORKFLOW = "t2va"
 _TEXT_TAG = 1  # `MINIMAX_H3_TEXT_TAG`: the modality tag the padding rows carry (any valid tag would do)
@@ -50,6 +54,7 @@ class PackedSequencePadding:
     def __init__(self, transformer: torch.nn.Module):
         self.buckets: tuple[int, ...] = ()
         self._key_mask = None
+        # Torch pre-hooks, compiler-disabled and shared by every block, so the compiled blocks keep one graph.
         self._handles = [transformer.register_forward_pre_hook(self._pad_layout, with_kwargs=True)]
         for module in transformer.modules():
             if type(module).__name__ in MiniMaxH3Adapter.compiled_blocks:
@@ -86,19 +91,30 @@ class MiniMaxH3Adapter(PipelineAdapter):
     guidance_kwarg = None  # guidance-distilled
     #: The main blocks run on the padded packed sequence; the token refiner sees the prompt's own length.
     compiled_blocks = ("MiniMaxH3TransformerBlock",)
+    output_suffix = ".mp4"
+    stock_output_kwargs = {"output": "videos"}
 
-    def load_encoder(self, checkpoint: Path, torch_dtype):
+    def load_encoder(self, checkpoint: Checkpoint, torch_dtype):
         return _load(_sub_pipeline(checkpoint, "text_encoder"), checkpoint, torch_dtype)
 
-    def load_denoiser(self, checkpoint: Path, transformer, torch_dtype, device: torch.device, decodes: bool):
+    def load_stock(self, checkpoint: Checkpoint, **kwargs):
+        """The whole `t2va` workflow in one process (the modular pipeline prunes its blocks to the workflow)."""
+        pipe = ModularPipeline.from_pretrained(str(checkpoint.path), workflow=WORKFLOW)
+        return load_every_component(pipe, checkpoint.path, **kwargs)
+
+    def save(self, output: VideoWithAudio, path, text: dict[str, str]) -> list:
+        """An MP4 (H.264 + AAC, settings in its metadata) and the untouched audio as a WAV beside it."""
+        return save_video(output, path, text=text)
+
+    def load_denoiser(self, checkpoint: Checkpoint, transformer, torch_dtype, device: torch.device, decodes: bool):
         denoiser = _sub_pipeline(checkpoint, "denoise")
         denoiser.load_components(names=[n for n in denoiser.pretrained_component_names if n != "transformer"])
         denoiser.update_components(transformer=transformer)
         # The denoise blocks read the VAEs' geometry (latent channels, frame chunking) through pipeline properties
         # that fall back to the released values when no VAE is set; meta-device VAEs answer them exactly with no
         # weights. Plain attributes, not components, so the pipeline's device still comes from the transformer.
-        denoiser.vae = model_on_meta(checkpoint, "vae")
-        denoiser.audio_vae = model_on_meta(checkpoint, "audio_vae")
+        denoiser.vae = checkpoint.meta("vae")
+        denoiser.audio_vae = checkpoint.meta("audio_vae")
         denoiser.sequence_padding = PackedSequencePadding(transformer)
         decoder = None
         if decodes:
@@ -106,10 +122,10 @@ class MiniMaxH3Adapter(PipelineAdapter):
             decoder.to(device)
         return H3Pipelines(denoiser, decoder)
 
-    def size_multiple(self, checkpoint: Path) -> int:
+    def size_multiple(self, checkpoint: Checkpoint) -> int:
         """The pipeline's `canvas_multiple`: the VAE's spatial compression times the transformer's patch width."""
-        compression = math.prod(read_config(checkpoint, "vae")["spatial_downsample_factors"])
-        return compression * read_config(checkpoint, "transformer").get("patch_size", (1, 2, 2))[2]
+        compression = math.prod(checkpoint.config("vae")["spatial_downsample_factors"])
+        return compression * checkpoint.config("transformer").get("patch_size", (1, 2, 2))[2]
 
     def transformer_of(self, pipes: H3Pipelines) -> torch.nn.Module:
         return pipes.denoiser.transformer
@@ -143,14 +159,11 @@ class MiniMaxH3Adapter(PipelineAdapter):
         )
 
 
-def _sub_pipeline(checkpoint: Path, prefix: str):
+def _sub_pipeline(checkpoint: Checkpoint, prefix: str):
     """The `t2va` blocks named `prefix` or `prefix.*`, as a pipeline bound to `checkpoint` (no weights read yet)."""
-    from diffusers import ModularPipeline
-    from diffusers.modular_pipelines import SequentialPipelineBlocks
-
-    blocks = ModularPipeline.from_pretrained(str(checkpoint), workflow=WORKFLOW).blocks.sub_blocks
+    blocks = ModularPipeline.from_pretrained(str(checkpoint.path), workflow=WORKFLOW).blocks.sub_blocks
     chosen = {name: block for name, block in blocks.items() if name == prefix or name.startswith(prefix + ".")}
-    return SequentialPipelineBlocks.from_blocks_dict(chosen).init_pipeline(str(checkpoint))
+    return SequentialPipelineBlocks.from_blocks_dict(chosen).init_pipeline(str(checkpoint.path))
 
 
 def load_every_component(pipe, source, **load_kwargs):
@@ -168,5 +181,5 @@ def load_every_component(pipe, source, **load_kwargs):
     return pipe
 
 
-def _load(pipe, checkpoint: Path, torch_dtype):
-    return load_every_component(pipe, checkpoint, **({} if torch_dtype is None else {"dtype": torch_dtype}))
+def _load(pipe, checkpoint: Checkpoint, torch_dtype):
+    return load_every_component(pipe, checkpoint.path, **({} if torch_dtype is None else {"dtype": torch_dtype}))

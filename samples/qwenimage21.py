@@ -2,7 +2,7 @@
 
 Offline, on a tiny random Qwen-Image-2.1 built on first use (CPU ranks over gloo), with true CFG switched on:
 
-    torchrun --nproc_per_node=2 samples/qwen_image_21.py --negative-prompt "blurry" --true-cfg-scale 4 --out q21.png
+    torchrun --nproc_per_node=2 samples/qwenimage21.py --negative-prompt "blurry" --true-cfg-scale 4 --out q21.png
 
 The real model, unchanged script: download Qwen/Qwen-Image-2.1 and pass the folder. Without --height, --width and
 --steps a real checkpoint runs Qwen's recommended 1024x1024, 40 steps, no guidance (`--negative-prompt TEXT
@@ -10,7 +10,7 @@ The real model, unchanged script: download Qwen/Qwen-Image-2.1 and pass the fold
 (13 GiB bf16): TP=4 keeps 3.3 GiB per rank (32 heads: TP 1, 2, 4, 8, 16 or 32):
 
     hf download Qwen/Qwen-Image-2.1 --local-dir /models/Qwen-Image-2.1
-    torchrun --nproc_per_node=4 samples/qwen_image_21.py --model /models/Qwen-Image-2.1 --compile --out q21.png
+    torchrun --nproc_per_node=4 samples/qwenimage21.py --model /models/Qwen-Image-2.1 --compile --out q21.png
 
 Qwen-Image-2.1 places the image after every text position, so padding a prompt moves the image: by default it is not
 padded (exact, but one compiled graph per prompt length). With --compile this sample opts in to length buckets
@@ -41,7 +41,7 @@ parser.add_argument("--width", type=int)
 parser.add_argument("--steps", type=int)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--compile", nargs="?", const="auto", metavar="BACKEND", help="compile, with length buckets")
-parser.add_argument("--out", type=Path, default=Path("qwen_image_21.png"))
+parser.add_argument("--out", type=Path, default=Path("qwenimage21.png"))
 args = parser.parse_args()
 
 tiny_model = args.model == "qwenimage21"

@@ -23,11 +23,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from diffusers import FluxTransformer2DModel, TensorParallelConfig
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-
-from .integration import shard_specs
-from .plan_report import BF16_BYTES, held_params, meta_model, plan_dict
-from .spawn import run_on_cpu_ranks
+from ...parallel.patches import shard_specs
+from ..plan.report import BF16_BYTES, held_params, plan_dict, planned_model
+from ..spawn import run_on_cpu_ranks
 
 CONFIG = dict(num_attention_heads=16, attention_head_dim=128, num_layers=1, num_single_layers=2,
               joint_attention_dim=2048, pooled_projection_dim=768, in_channels=64)
@@ -36,8 +39,6 @@ MB = 2**20
 
 def build_checkpoint(path: Path, seed: int = 0) -> Path:
     """Write the random transformer as a one-component pipeline folder (`transformer/` + `model_index.json`)."""
-    from diffusers import FluxTransformer2DModel
-
     with torch.device("meta"):
         model = FluxTransformer2DModel(**CONFIG)
     # `torch.nn.Module.to`, not `ModelMixin.to`, which warns about fp32-only modules this model has none of.
@@ -62,11 +63,6 @@ def process_rss_mib() -> dict[str, float]:
 
 def _measured_load(checkpoint: str, tp: bool) -> dict:
     """Runs in a fresh process: load the transformer, then read every weight once; RSS growth in MiB."""
-    import torch.distributed as dist
-    from diffusers import FluxTransformer2DModel, TensorParallelConfig
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-
     kwargs = {}
     if tp:
         kwargs["parallel_config"] = TensorParallelConfig(mesh=DeviceMesh("cpu", list(range(dist.get_world_size()))))
@@ -97,8 +93,9 @@ def _expected(checkpoint: Path, tp: int) -> dict[str, float]:
     (anonymous memory) and reads every page of the whole weight through the mmap (file-backed);
     colwise slices and replicated weights stay zero-copy views of the file.
     """
-    family, model = meta_model(str(checkpoint))
-    specs = shard_specs(model, plan_dict(family, "ours"), tp)
+    planned = planned_model(str(checkpoint))
+    model = planned.module
+    specs = shard_specs(model, plan_dict(planned.family, "ours"), tp)
     params = dict(model.named_parameters())
     sharded = {name for name, spec in specs.items() if spec.dim is not None}
     return {

@@ -26,12 +26,23 @@ import time
 import warnings
 from collections import Counter
 
-from .spawn import run_on_cpu_ranks
+import torch
+import torch._dynamo.exc as dynamo_exc
+import torch._inductor.config
+from diffusers import TensorParallelConfig
+from diffusers.utils import logging as diffusers_logging
+
+from ... import tiny
+from ...checkpoint import resolve
+from ...compile import compile_repeated_blocks, compile_report, resolve_backend, warmup
+from ...distributed import init_distributed, mesh_device
+from ...runner import load_pipeline
+from ..plan.cases import recording_first_call
+from ..spawn import run_on_cpu_ranks
 
 WORDS = "red fox snow forest light mountain river cloud".split()
 # 21 prompts of 1 to 200 words: 21 text lengths, far past stock's recompile limit of 8.
 PROMPTS = [" ".join(WORDS[i % len(WORDS)] for i in range(n)) for n in [1, *range(10, 200, 10), 200]]
-H3 = "MiniMaxH3Blocks"
 TIMEOUT_S = 1800.0
 
 
@@ -46,23 +57,10 @@ def _delta(before: dict, after: dict) -> dict:
     }
 
 
-def _stock_run(checkpoint, pipeline_class: str, backend: str, prompts: list[str], call: dict) -> tuple[dict, tuple]:
+def _stock_run(checkpoint, backend: str, prompts: list[str], call: dict) -> tuple[dict, tuple]:
     """The stock way. Also returns the transformer's first call (args, kwargs), for the cold compile."""
-    import torch
-    import torch._dynamo.exc as dynamo_exc
-
-    from .compile import compile_report
-    from .verify_cases import recording_first_call
-
-    if pipeline_class == H3:
-        from .tiny import h3
-
-        pipe = h3.load(checkpoint, workflow="t2va")
-        call = dict(call, output="videos")
-    else:
-        from diffusers import DiffusionPipeline
-
-        pipe = DiffusionPipeline.from_pretrained(checkpoint)
+    pipe = checkpoint.adapter.load_stock(checkpoint)
+    call = {**call, **checkpoint.adapter.stock_output_kwargs}
     pipe.set_progress_bar_config(disable=True)
     torch._dynamo.reset()
     pipe.transformer.compile_repeated_blocks(backend=backend, fullgraph=True, dynamic=False)
@@ -91,11 +89,6 @@ def _stock_run(checkpoint, pipeline_class: str, backend: str, prompts: list[str]
 
 def _our_run(checkpoint, mesh, backend: str, prompts: list[str], call: dict) -> dict:
     """`load_pipeline` + our `compile_repeated_blocks` + `warmup`, then every prompt: what compiles after warm-up."""
-    import torch
-
-    from .compile import compile_report, compile_repeated_blocks, warmup
-    from .runner import load_pipeline
-
     pipe = load_pipeline(checkpoint, mesh)
     pipe.pipe.set_progress_bar_config(disable=True)
     torch._dynamo.reset()
@@ -123,20 +116,13 @@ def _our_run(checkpoint, mesh, backend: str, prompts: list[str], call: dict) -> 
 
 def _fresh_transformer(checkpoint, mesh):
     """The checkpoint's transformer, loaded anew (sharded over `mesh["tp"]` at TP > 1), so nothing is compiled yet."""
-    from diffusers import TensorParallelConfig
-
-    from .integration import mesh_device
-    from .runner import transformer_class
-
     tp_mesh = mesh["tp"]
     parallel = {"parallel_config": TensorParallelConfig(mesh=tp_mesh)} if tp_mesh.size() > 1 else {}
-    transformer = transformer_class(checkpoint).from_pretrained(checkpoint, subfolder="transformer", **parallel)
+    transformer = checkpoint.transformer_class().from_pretrained(checkpoint.path, subfolder="transformer", **parallel)
     return transformer if parallel else transformer.to(mesh_device(tp_mesh))
 
 
 def _first_call(model, call) -> float:
-    import torch
-
     args, kwargs = call
     began = time.perf_counter()
     with torch.no_grad():
@@ -151,11 +137,6 @@ def _cold_compile(checkpoint, mesh, adapter, backend: str, call: tuple) -> dict:
     on-disk caches off, so a second run of the benchmark is as cold as the first. Nothing is subtracted: the first
     call's wall time includes running it (see the eager row for what that costs).
     """
-    import torch
-    import torch._inductor.config
-
-    from .compile import compile_report, compile_repeated_blocks
-
     transformer = _fresh_transformer(checkpoint, mesh)
     block_classes = getattr(adapter, "compiled_blocks", None) or transformer._repeated_blocks
     blocks = Counter(type(m).__name__ for m in transformer.modules() if type(m).__name__ in block_classes)
@@ -186,32 +167,22 @@ def _cold_compile(checkpoint, mesh, adapter, backend: str, call: tuple) -> dict:
 
 def _measure_on_rank(model: str, backend: str, prompts: list[str], size, steps: int, tp: int) -> dict:
     """All three phases in this (fresh, spawned) process; every rank of the TP group runs them alike."""
-    import torch
-    from diffusers.utils import logging as diffusers_logging
-
-    from . import init_distributed
-    from .compile import resolve_backend
-    from .pipelines import adapter_for
-    from .runner import resolve_model
-
     # Stock Qwen-Image warns on every call that `true_cfg_scale` needs a negative prompt: one line per call.
     diffusers_logging.set_verbosity_error()
-    checkpoint = resolve_model(model)
-    adapter = adapter_for(checkpoint)
+    checkpoint = resolve(model)
+    adapter = checkpoint.adapter
     backend = resolve_backend(backend)
-    call = dict(height=size[0], width=size[1], num_inference_steps=steps)
-    if adapter.pipeline_class == H3:
-        from .tiny import h3
-
-        call["num_frames"] = h3.DEFAULT_NUM_FRAMES
+    # The tiny family's own extra call kwargs (MiniMax-H3: its clip length), at the requested size and steps.
+    extra = tiny.smallest_call(checkpoint.family.name) if checkpoint.family.has_tiny else {}
+    call = {**extra, "height": size[0], "width": size[1], "num_inference_steps": steps}
     mesh = init_distributed(tp=tp)
     try:
-        stock, captured = _stock_run(checkpoint, adapter.pipeline_class, backend, prompts, call)
+        stock, captured = _stock_run(checkpoint, backend, prompts, call)
         ours = _our_run(checkpoint, mesh, backend, prompts, call)
         cold = _cold_compile(checkpoint, mesh, adapter, backend, captured)
     finally:
         torch._dynamo.reset()
-    return {"model": str(model), "checkpoint": str(checkpoint), "pipeline": adapter.pipeline_class,
+    return {"model": str(model), "checkpoint": str(checkpoint.path), "pipeline": adapter.pipeline_class,
             "backend": backend, "size": list(size), "steps": steps, "tp": tp, "torch": torch.__version__,
             "recompile_limit_after": torch._dynamo.config.recompile_limit,
             "prompt_words": [len(p.split()) for p in prompts], "stock": stock, "ours": ours, "cold_compile": cold}
@@ -223,8 +194,6 @@ def measure(model: str = "qwenimage", backend: str = "aot_eager", prompts: list[
 
     `model` is a tiny family name or a checkpoint folder (then `size` is required); `prompts` default to `PROMPTS`.
     """
-    from . import tiny
-
     prompts = PROMPTS if prompts is None else list(prompts)
     if not prompts:
         raise ValueError("Give at least one prompt.")
@@ -306,21 +275,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of the tables")
 
 
-def main_with(args: argparse.Namespace) -> dict:
+def main(args: argparse.Namespace) -> dict:
     if (args.height is None) != (args.width is None):
         raise ValueError("Give both --height and --width, or neither.")
     size = None if args.height is None else (args.height, args.width)
     result = measure(args.model, args.backend, PROMPTS[:args.prompts], size, args.steps, args.tp)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return result
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m neuron_diffusers.bench_compile",
-                                     description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    main_with(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,8 @@ transformer on CPU ranks and counts what actually goes over the wire, with a dis
 collective op whichever way it is issued (functional collectives, `torch.distributed` calls, DTensor
 redistributes). Per-collective latency dominates small collectives, so calls matter as much as bytes. Step time
 is the median of a few forwards after a warm-up one, on the same inputs, with our plan and with diffusers' own,
-timed in alternation, one thread per rank; `--depth full` gives the tiny-width transformers the real models' block counts.
+timed in alternation, one thread per rank; `--depth full` gives the tiny-width transformers the real models' block
+counts.
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ import json
 import time
 
 import torch
+from diffusers import TensorParallelConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import tiny
-from .spawn import run_on_cpu_ranks
+from ... import tiny
+from ...checkpoint import resolve
+from ...distributed import init_distributed
+from ...parallel.patches import stock_plan, tp_plan_of, using_plan
+from ..plan.cases import reference_call
+from ..spawn import run_on_cpu_ranks
 
 KINDS = {"all_reduce": ("all_reduce", "allreduce"), "all_gather": ("all_gather", "allgather"),
          "reduce_scatter": ("reduce_scatter",), "broadcast": ("broadcast",), "all_to_all": ("all_to_all", "alltoall")}
@@ -95,13 +101,10 @@ def full_depth(cls, checkpoint) -> dict:
 
 def _sharded(cls, checkpoint, plan: dict, mesh, depth: dict):
     """The tiny transformer at `depth` (random weights, seeded: the same on every rank and for both plans)."""
-    from diffusers import TensorParallelConfig
-
-    from neuron_diffusers.tp_plans import using_plan
-
     with using_plan(cls, plan):
         if not depth:
-            return cls.from_pretrained(checkpoint, subfolder="transformer", parallel_config=TensorParallelConfig(mesh=mesh))
+            return cls.from_pretrained(checkpoint, subfolder="transformer",
+                                       parallel_config=TensorParallelConfig(mesh=mesh))
         torch.manual_seed(0)
         model = cls.from_config({**cls.load_config(checkpoint, subfolder="transformer"), **depth}).eval()
         model.enable_parallelism(config=TensorParallelConfig(mesh=mesh))
@@ -109,20 +112,15 @@ def _sharded(cls, checkpoint, plan: dict, mesh, depth: dict):
 
 
 def _rank_job(families: list[str], tp: int, repeats: int, depth: str) -> dict:
-    import neuron_diffusers as nd
-    from neuron_diffusers.runner import transformer_class
-    from neuron_diffusers.tp_plans import stock_plan
-    from neuron_diffusers.verify_cases import reference_call
-
     torch.set_num_threads(1)  # as torchrun does: the ranks share the host's cores (more threads each oversubscribe it)
-    mesh = nd.init_distributed(tp=tp)["tp"]
+    mesh = init_distributed(tp=tp)["tp"]
     results = {}
     for family in families:
         checkpoint = tiny.cached_tiny(family)
         args, kwargs, _ = reference_call(checkpoint, family)
-        cls = transformer_class(checkpoint)
+        cls = resolve(checkpoint).transformer_class()
         layers = full_depth(cls, checkpoint) if depth == "full" else {}
-        plans = {"ours": cls._tp_plan, "stock": stock_plan(cls)}
+        plans = {"ours": tp_plan_of(cls), "stock": stock_plan(cls)}
         models = {label: _sharded(cls, checkpoint, plan, mesh, layers) for label, plan in plans.items() if plan}
         seconds = _median_seconds(models, args, kwargs, repeats)
         results[family] = {"depth": layers or "tiny"}
@@ -174,6 +172,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true")
 
 
-def main_with(args) -> None:
+def main(args) -> None:
     result = measure(args.family, args.tp, args.repeats, args.depth)
     print(json.dumps(result, indent=2) if args.json else format_table(result))

@@ -1,7 +1,7 @@
-"""The one module that reaches into diffusers' private tensor-parallel internals.
+"""The one module that reaches into diffusers' private internals; pinned to the diffusers 0.42 series.
 
 diffusers 0.42 ships tensor parallelism (`TensorParallelConfig`, `hooks/tensor_parallel.py`, a
-slice-streaming loader) that we build on rather than copy. Five gaps are closed here, and only here:
+slice-streaming loader) that we build on rather than copy. These gaps are closed here, and only here:
 
 1. CPU meshes. Stock lists the device types it accepts in `_SUPPORTED_TP_DEVICES` (no `cpu`) and
    computes the rank's device as `rank % torch.accelerator.device_count()`, which divides by zero on
@@ -14,49 +14,69 @@ slice-streaming loader) that we build on rather than copy. Five gaps are closed 
 4. Our plan styles, `GatheredColwiseParallel` and `PartialRowwiseParallel` (see `tp_plans/styles.py`),
    taught to the three stock dispatchers: shard specs (so the loader streams only each rank's slice:
    they are laid out exactly like colwise / rowwise), partitioning styles, and hooks-only styles (used
-   after a streaming load, on Neuron too). Their forward-time behaviour (one all-reduce for a pair of
-   partial sums, one all-gather for all hoisted modulation) is installed by `coalesce.install` right
-   after stock's `apply_tensor_parallel`.
+   after a streaming load, on Neuron too). Their forward-time behaviour is installed by
+   `coalesce.install` right after stock's `apply_tensor_parallel`.
 5. Attention processors that split heads with `attn.heads` (MiniMax-H3's, HunyuanVideo's, the stock
-   `AttnProcessor2_0`) see the rank's local head count once `to_q` is sharded, so they split by
-   head_dim as Flux and Qwen already do.
+   `AttnProcessor2_0`) see the rank's local head count once `to_q` is sharded.
+6. The class attributes stock reads plans and repeated blocks from (`_tp_plan`, `_repeated_blocks`) are
+   read and written through `tp_plan_of` / `set_tp_plan` / `compile_blocks`, so no other module names them.
 
-Everything is pinned to the diffusers 0.42 series (`diffusers~=0.42.1` in pyproject): each name we
-touch is private and may move in another release, so `install()` refuses other versions loudly.
+Each name touched here is private and may move in another release: importing this module refuses any
+diffusers outside the pinned series before it imports a single private module (`diffusers~=0.42.1` in
+pyproject.toml; tests/test_patches.py checks every name still exists).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
 
+import diffusers
 import torch
-
-from . import coalesce
-from .distributed import divisors
-from .tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
-
-_OUR_STYLES = (GatheredColwiseParallel, PartialRowwiseParallel)
 
 _PINNED_SERIES = "0.42."
 
 
-def _check_diffusers_version() -> None:
-    import diffusers
-
-    if not diffusers.__version__.startswith(_PINNED_SERIES):
+def check_diffusers_version(version: str = diffusers.__version__) -> None:
+    """Refuse a diffusers release whose privates this module was not written against."""
+    if not version.startswith(_PINNED_SERIES):
         raise ImportError(
-            f"neuron_diffusers needs diffusers {_PINNED_SERIES}x (found {diffusers.__version__}): it extends "
-            "diffusers' private tensor-parallel internals, which differ between releases. Install it with "
+            f"neuron_diffusers needs diffusers {_PINNED_SERIES}x (found {version}): it extends diffusers' private "
+            "tensor-parallel internals, which differ between releases. Install it with "
             "`pip install 'diffusers~=0.42.1'`."
         )
 
 
-def mesh_device(mesh) -> torch.device:
-    """The device this rank computes on for `mesh`: its own accelerator, or the CPU."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+check_diffusers_version()  # before the private modules below are imported
+
+from diffusers import hooks  # noqa: E402
+from diffusers.hooks import tensor_parallel, tensor_parallel_neuron  # noqa: E402
+from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: E402
+
+from .. import families  # noqa: E402
+from ..distributed import check_heads_divisible, mesh_device  # noqa: E402
+from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel  # noqa: E402
+from . import coalesce, rules  # noqa: E402
+
+_OUR_STYLES = (GatheredColwiseParallel, PartialRowwiseParallel)
+
+#: Every private diffusers name this module reads or replaces (tests/test_patches.py checks they all exist).
+PRIVATE_NAMES = (
+    (tensor_parallel, "_SUPPORTED_TP_DEVICES"),
+    (tensor_parallel, "_check_tp_supported"),
+    (tensor_parallel, "_tp_degree"),
+    (tensor_parallel, "_styles"),
+    (tensor_parallel, "_hooks_only_styles"),
+    (tensor_parallel, "resolve_tp_shard_specs"),
+    (tensor_parallel, "apply_tensor_parallel"),
+    (tensor_parallel_neuron, "_hooks_only_styles"),
+    (ModelMixin, "_resolve_parallel_config"),
+    (ModelMixin, "enable_parallelism"),
+    (ModelMixin, "compile_repeated_blocks"),
+)
 
 
 def _default_tp_device_type() -> str:
@@ -66,8 +86,6 @@ def _default_tp_device_type() -> str:
 
 def _check_tp_mesh(tp_config) -> None:
     """Reject a mesh that tensor parallelism cannot use, before any weight is read."""
-    from diffusers.hooks import tensor_parallel
-
     mesh = tp_config.mesh
     if mesh is not None and mesh.ndim != 1:
         names = mesh.mesh_dim_names or ()
@@ -86,20 +104,9 @@ def _check_tp_mesh(tp_config) -> None:
         )
 
 
-def check_heads_divisible(model_name: str, num_heads: int | None, tp: int) -> None:
-    """Each rank must own whole attention heads; name the TP degrees that work."""
-    if num_heads is not None and num_heads % tp != 0:
-        raise ValueError(
-            f"A tensor-parallel degree of {tp} does not divide the {num_heads} attention heads of {model_name}: "
-            f"each rank must own whole heads. Valid degrees for this model: {divisors(num_heads)}."
-        )
-
-
 def _wrap_check_tp_supported(stock):
     @functools.wraps(stock)
     def _check_tp_supported(model_name, tp_plan, num_heads, tp_config, **kwargs):
-        from diffusers.hooks import tensor_parallel
-
         check_heads_divisible(model_name, num_heads, tensor_parallel._tp_degree(tp_config))
         stock(model_name, tp_plan, num_heads, tp_config, **kwargs)
         _check_tp_mesh(tp_config)
@@ -112,9 +119,8 @@ def _wrap_resolve_parallel_config(stock):
 
     @functools.wraps(stock)
     def _resolve_parallel_config(self, config):
-        from diffusers import ParallelConfig, TensorParallelConfig
-
-        tp_config = config if isinstance(config, TensorParallelConfig) else getattr(config, "tensor_parallel_config", None)
+        tp_config = (config if isinstance(config, diffusers.TensorParallelConfig)
+                     else getattr(config, "tensor_parallel_config", None))
         if tp_config is None:
             return stock(self, config)  # context parallelism: untouched
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
@@ -122,8 +128,8 @@ def _wrap_resolve_parallel_config(stock):
                 "torch.distributed must be initialized before applying a tensor-parallel `parallel_config`: call "
                 "`neuron_diffusers.init_distributed()` (or `torch.distributed.init_process_group`) first."
             )
-        if isinstance(config, TensorParallelConfig):
-            config = ParallelConfig(tensor_parallel_config=config)
+        if isinstance(config, diffusers.TensorParallelConfig):
+            config = diffusers.ParallelConfig(tensor_parallel_config=config)
         mesh = tp_config.mesh or torch.distributed.device_mesh.init_device_mesh(
             _default_tp_device_type(), (tp_config.tp_degree,), mesh_dim_names=("tp",)
         )
@@ -143,7 +149,8 @@ def _snapshot(model: torch.nn.Module) -> list:
     `FrozenDict` is restored by reference). Classes: `coalesce` swaps some modules' classes.
     """
     return [
-        (module, type(module), {k: (v, dict(v) if type(v) in (dict, OrderedDict) else None) for k, v in vars(module).items()})
+        (module, type(module),
+         {k: (v, dict(v) if type(v) in (dict, OrderedDict) else None) for k, v in vars(module).items()})
         for module in model.modules()
     ]
 
@@ -194,9 +201,6 @@ def _torch_style(style, partition: bool):
       to reduce together with its partners.
     `partition=False` (after a streaming load) keeps the weights the loader already placed as shards.
     """
-    from torch.distributed.tensor import Partial, Replicate, distribute_module
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     base = RowwiseParallel if isinstance(style, PartialRowwiseParallel) else ColwiseParallel
 
     class _Style(base):
@@ -228,52 +232,6 @@ def _wrap_style_dispatch(stock, partition: bool):
     return dispatch
 
 
-def _glob_targets(pattern: str, container: torch.nn.ModuleList) -> list:
-    """The module a `prefix.*.suffix` rule names in each block; the first block that lacks it is named."""
-    suffix = pattern.partition("*")[2].strip(".")
-    targets = []
-    for index, block in enumerate(container):
-        try:
-            targets.append(block.get_submodule(suffix))
-        except AttributeError as error:
-            if index == 0:
-                raise
-            raise ValueError(
-                f"Tensor-parallel plan rule '{pattern}' fits blocks 0 to {index - 1} but not block {index}: {error}. "
-                "A '*' rule applies to every block and cannot skip one, so leave this module, and the Linears that "
-                "feed it, out of the plan."
-            ) from None
-    return targets
-
-
-def check_plan_matches(model: torch.nn.Module, plan: dict) -> None:
-    """Every plan rule must name a Linear in `model`: a typo would otherwise silently shard nothing."""
-    for pattern in plan:
-        prefix, star, suffix = pattern.partition("*")
-        try:
-            if star:
-                container = model.get_submodule(prefix.strip("."))
-                if not isinstance(container, torch.nn.ModuleList):
-                    raise ValueError(
-                        f"Tensor-parallel plan rule '{pattern}' puts '*' after '{prefix.strip('.')}' "
-                        f"({type(container).__name__}), which is not a ModuleList: '*' stands for a block's index. "
-                        "Point the prefix at the ModuleList of blocks, or drop the '*'."
-                    )
-                targets = _glob_targets(pattern, container)
-            else:
-                targets = [model.get_submodule(pattern)]
-        except AttributeError as error:
-            raise ValueError(
-                f"Tensor-parallel plan rule '{pattern}' matches nothing in {type(model).__name__}: {error}. Fix the "
-                "rule's module path (see `model.named_modules()`) or remove it."
-            ) from None
-        if not targets or not all(isinstance(t, torch.nn.Linear) for t in targets):
-            raise ValueError(
-                f"Tensor-parallel plan rule '{pattern}' must match nn.Linear modules in {type(model).__name__}, got "
-                f"{sorted({type(t).__name__ for t in targets}) or 'no module'}. Point it at the Linear itself."
-            )
-
-
 def shard_specs(model: torch.nn.Module, plan: dict, tp: int, *, whole_plan: bool = True) -> dict:
     """diffusers' own layout of every planned parameter at degree `tp` (`resolve_tp_shard_specs`, our styles included).
 
@@ -282,28 +240,11 @@ def shard_specs(model: torch.nn.Module, plan: dict, tp: int, *, whole_plan: bool
     the Linear, a block that `tp` does not divide, or coalescing rules `coalesce` cannot honour
     (`whole_plan=False` skips the one check that needs every rule: which Linears a block forward reduces together).
     """
-    from diffusers.hooks import tensor_parallel
-
-    check_plan_matches(model, plan)
+    rules.expand(model, plan)
     coalesce.check_plan(model, plan, whole_plan=whole_plan)
     layouts = {GatheredColwiseParallel: "colwise", PartialRowwiseParallel: "rowwise"}
     stock = tensor_parallel.resolve_tp_shard_specs.__wrapped__  # diffusers' own, under our wrapper
     return stock(model, {k: layouts.get(type(v), v) for k, v in plan.items()}, tp)
-
-
-def style_kind(style) -> str | None:
-    """What a plan style does to its Linear: `"colwise"` (output left split across the ranks, packed or not),
-    `"rowwise"` (input split, output all-reduced, now or together with partners later), `"gathered"` (output
-    all-gathered, alone or hoisted), or None (not a style)."""
-    from diffusers.hooks.tensor_parallel import PackedColwiseParallel, PackedRowwiseParallel
-
-    if isinstance(style, GatheredColwiseParallel):
-        return "gathered"
-    if style == "colwise" or isinstance(style, PackedColwiseParallel):
-        return "colwise"
-    if style == "rowwise" or isinstance(style, (PackedRowwiseParallel, PartialRowwiseParallel)):
-        return "rowwise"
-    return None
 
 
 def _set_local_heads(model: torch.nn.Module) -> None:
@@ -314,8 +255,6 @@ def _set_local_heads(model: torch.nn.Module) -> None:
     and `inner_dim` shrink together, keeping their ratio, the head size, for both kinds (and a second call
     changes nothing).
     """
-    from torch.distributed.tensor import DTensor
-
     for module in model.modules():
         weight = getattr(getattr(module, "to_q", None), "weight", None)
         heads, head_dim = getattr(module, "heads", None), getattr(module, "head_dim", None)
@@ -339,6 +278,56 @@ def _wrap_apply_tensor_parallel(stock):
     return apply_tensor_parallel
 
 
+_STOCK_PLANS: dict[str, dict | None] = {}
+
+
+def register_plans() -> None:
+    """Make our plans the classes' `_tp_plan`, remembering stock's (MiniMax-H3 and HunyuanVideo have none)."""
+    for family in families.FAMILIES:
+        cls = family.model_class()
+        _STOCK_PLANS.setdefault(cls.__name__, cls.__dict__.get("_tp_plan"))
+        cls._tp_plan = family.plan
+
+
+def tp_plan_of(cls) -> dict | None:
+    """The plan `from_pretrained(parallel_config=TensorParallelConfig(...))` shards `cls` with."""
+    return cls._tp_plan
+
+
+def stock_plan(cls) -> dict | None:
+    """The plan diffusers ships for `cls` (None for a class it does not plan)."""
+    return _STOCK_PLANS[cls.__name__] if cls.__name__ in _STOCK_PLANS else cls._tp_plan
+
+
+@contextlib.contextmanager
+def using_plan(cls, plan: dict | None):
+    """Load or shard `cls` with `plan` inside the block, e.g. `using_plan(cls, stock_plan(cls))`."""
+    previous = cls.__dict__.get("_tp_plan")
+    cls._tp_plan = plan
+    try:
+        yield
+    finally:
+        cls._tp_plan = previous
+
+
+def compile_blocks(transformer: torch.nn.Module, block_classes: list[str], **compile_kwargs) -> None:
+    """Stock `compile_repeated_blocks` over `block_classes` (which it reads from `_repeated_blocks`), in place."""
+    stock_blocks = transformer.__dict__.get("_repeated_blocks")
+    transformer._repeated_blocks = block_classes
+    try:
+        transformer.compile_repeated_blocks(**compile_kwargs)
+    finally:
+        if stock_blocks is None:
+            del transformer._repeated_blocks
+        else:
+            transformer._repeated_blocks = stock_blocks
+
+
+def repeated_blocks(transformer: torch.nn.Module) -> list[str]:
+    """The block classes the model declares as repeated (what stock compiles by default)."""
+    return list(getattr(transformer, "_repeated_blocks", ()) or ())
+
+
 _installed = False
 
 
@@ -347,13 +336,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    _check_diffusers_version()
-    from diffusers import hooks
-    from diffusers.hooks import tensor_parallel, tensor_parallel_neuron
-    from diffusers.models.modeling_utils import ModelMixin
-
-    from . import tp_plans
-
     if "cpu" not in tensor_parallel._SUPPORTED_TP_DEVICES:
         tensor_parallel._SUPPORTED_TP_DEVICES = (*tensor_parallel._SUPPORTED_TP_DEVICES, "cpu")
     tensor_parallel._check_tp_supported = _wrap_check_tp_supported(tensor_parallel._check_tp_supported)
@@ -364,7 +346,7 @@ def install() -> None:
     tensor_parallel_neuron._hooks_only_styles = tensor_parallel._hooks_only_styles
     tensor_parallel.apply_tensor_parallel = _wrap_apply_tensor_parallel(tensor_parallel.apply_tensor_parallel)
     hooks.apply_tensor_parallel = tensor_parallel.apply_tensor_parallel
-    tp_plans.register()
     ModelMixin._resolve_parallel_config = _wrap_resolve_parallel_config(ModelMixin._resolve_parallel_config)
     ModelMixin.enable_parallelism = _wrap_enable_parallelism(ModelMixin.enable_parallelism)
+    register_plans()
     _installed = True

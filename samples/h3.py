@@ -3,7 +3,7 @@
 Offline, on a tiny random MiniMax-H3 built on first use (CPU ranks over gloo); writes h3.mp4 (H.264 + AAC) and
 h3.wav (the soundtrack, untouched):
 
-    torchrun --nproc_per_node=2 samples/minimax_h3.py --out h3.mp4
+    torchrun --nproc_per_node=2 samples/h3.py --out h3.mp4
 
 The real model, unchanged script: download MiniMaxAI/MiniMax-H3 (the folder with `modular_model_index.json`) and
 pass it. Without --height, --width, --num-frames and --steps a real checkpoint runs the trained 768x1344 canvas,
@@ -12,7 +12,7 @@ no negative prompt, one forward per step. TP=8 keeps 7.7 GiB of its 61.7 GiB tra
 2, 4, 7, 8, 14, 28 or 56); the 62 GiB Qwen3-VL conditioner runs once per prompt on the leader's CPU:
 
     hf download MiniMaxAI/MiniMax-H3 --local-dir /models/MiniMax-H3
-    torchrun --nproc_per_node=8 samples/minimax_h3.py --model /models/MiniMax-H3 --compile --out h3.mp4
+    torchrun --nproc_per_node=8 samples/h3.py --model /models/MiniMax-H3 --compile --out h3.mp4
 """
 
 import argparse

@@ -2,8 +2,8 @@
 
 Offline, on a tiny random Qwen-Image built on first use (CPU ranks over gloo; plain `python` works too):
 
-    torchrun --nproc_per_node=2 samples/qwen_image.py --out qwen_image.png
-    torchrun --nproc_per_node=2 samples/qwen_image.py --cfg-parallel --out qwen_image.png  # cond, uncond at once
+    torchrun --nproc_per_node=2 samples/qwenimage.py --out qwenimage.png
+    torchrun --nproc_per_node=2 samples/qwenimage.py --cfg-parallel --out qwenimage.png  # cond, uncond at once
 
 The real model, unchanged script: download Qwen/Qwen-Image and pass the folder. Without --height, --width and
 --steps a real checkpoint runs Qwen's recommended 1328x1328, 50 steps, true_cfg_scale 4 with a negative prompt, in
@@ -12,7 +12,7 @@ the Qwen2.5-VL text encoder runs on the leader's CPU, and prompts are padded to 
 so a compiled model never recompiles for a new prompt length:
 
     hf download Qwen/Qwen-Image --local-dir /models/Qwen-Image
-    torchrun --nproc_per_node=8 samples/qwen_image.py --model /models/Qwen-Image --compile --out qwen_image.png
+    torchrun --nproc_per_node=8 samples/qwenimage.py --model /models/Qwen-Image --compile --out qwenimage.png
 """
 
 import argparse
@@ -42,7 +42,7 @@ parser.add_argument("--width", type=int)
 parser.add_argument("--steps", type=int)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--compile", nargs="?", const="auto", metavar="BACKEND", help="compile the repeated blocks")
-parser.add_argument("--out", type=Path, default=Path("qwen_image.png"))
+parser.add_argument("--out", type=Path, default=Path("qwenimage.png"))
 args = parser.parse_args()
 
 tiny_model = args.model == "qwenimage"

@@ -1,0 +1,100 @@
+"""The model families neuron_diffusers runs: one record each, and the only place a family is named.
+
+A family is one transformer class with our tensor-parallel plan (`tp_plans/<name>.py`), and, where we run its
+pipelines, a pipeline adapter (`pipelines/`) and a tiny random checkpoint builder (`tiny/<name>.py`). Everything
+else looks families up here: the CLI's family names, the tiny builds, plan and bench tools, and the checkpoint
+resolver (by the pipeline or transformer class a checkpoint's index names). `name` is the one spelling used in the
+CLI, in file names (plans, tiny builders, samples) and in docs; `display_name` is what people call the model.
+Adding a family: docs/architecture.md, "Where does it go".
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+import diffusers
+
+from .pipelines import PipelineAdapter
+from .pipelines.flux import FluxAdapter
+from .pipelines.flux2 import Flux2Adapter
+from .pipelines.h3 import MiniMaxH3Adapter
+from .pipelines.qwenimage import QwenImageAdapter
+from .pipelines.qwenimage21 import QwenImage21Adapter
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    display_name: str
+    #: The pipeline adapter; None for a family we only plan (no pipeline runs it here).
+    adapter: type[PipelineAdapter] | None = None
+    #: Where the released weights live on the Hugging Face Hub (samples and docs point there).
+    hub_id: str | None = None
+
+    @property
+    def plan_module(self) -> ModuleType:
+        """`tp_plans/<name>.py`: `PLAN` (our plan) and `MODEL_CLASS` (the diffusers class it is written for)."""
+        return importlib.import_module(f"{__package__}.tp_plans.{self.name}")
+
+    @property
+    def plan(self) -> dict:
+        return self.plan_module.PLAN
+
+    @property
+    def model_class_name(self) -> str:
+        return self.plan_module.MODEL_CLASS
+
+    def model_class(self):
+        """The diffusers transformer class."""
+        return getattr(diffusers, self.model_class_name)
+
+    @property
+    def has_tiny(self) -> bool:
+        """Whether `tiny/<name>.py` builds a tiny random pipeline of the family (every family with an adapter)."""
+        return self.adapter is not None
+
+    @property
+    def tiny_module(self) -> ModuleType:
+        """`tiny/<name>.py`, imported on demand: it imports the family's whole stock pipeline and text encoders."""
+        if not self.has_tiny:
+            raise ValueError(f"There is no tiny pipeline of {self.display_name}: only its tensor-parallel plan ships.")
+        return importlib.import_module(f"{__package__}.tiny.{self.name}")
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("flux", "FLUX.1", FluxAdapter, "black-forest-labs/FLUX.1-dev"),
+    Family("flux2", "FLUX.2", Flux2Adapter, "black-forest-labs/FLUX.2-dev"),
+    Family("qwenimage", "Qwen-Image", QwenImageAdapter, "Qwen/Qwen-Image"),
+    Family("qwenimage21", "Qwen-Image-2.1", QwenImage21Adapter, "Qwen/Qwen-Image-2.1"),
+    Family("h3", "MiniMax-H3", MiniMaxH3Adapter, "MiniMaxAI/MiniMax-H3"),
+    # The worked example of docs/authoring.md: a plan, no pipeline.
+    Family("hunyuanvideo", "HunyuanVideo"),
+)
+
+#: The families whose pipelines run here (a tiny checkpoint, `generate`), in registry order.
+PIPELINE_FAMILIES: tuple[str, ...] = tuple(family.name for family in FAMILIES if family.adapter is not None)
+
+_BY_NAME = {family.name: family for family in FAMILIES}
+
+
+def get(name: str) -> Family:
+    """The family called `name`; a `ValueError` lists the names there are."""
+    if name not in _BY_NAME:
+        raise ValueError(f"Unknown model family '{name}'. Choose one of: {', '.join(_BY_NAME)}.")
+    return _BY_NAME[name]
+
+
+def is_family(name: str) -> bool:
+    return name in _BY_NAME
+
+
+def by_pipeline_class(class_name: str) -> Family | None:
+    """The family whose adapter runs the pipeline class `class_name` (None if none does)."""
+    return next((f for f in FAMILIES if f.adapter is not None and f.adapter.pipeline_class == class_name), None)
+
+
+def by_model_class(class_name: str) -> Family | None:
+    """The family whose plan is written for the transformer class `class_name` (None if none is)."""
+    return next((f for f in FAMILIES if f.model_class_name == class_name), None)

@@ -1,0 +1,1 @@
+"""`neuron-diffusers bench ...`: commands that print measured figures, ours side by side with the alternative."""

@@ -1,0 +1,36 @@
+"""The one module touching diffusers' privates: pinned, and every private name it relies on still there."""
+
+import diffusers
+import pytest
+
+from neuron_diffusers import families
+from neuron_diffusers.parallel import patches
+
+
+def test_every_private_name_patches_relies_on_exists():
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in patches.PRIVATE_NAMES
+               if not hasattr(owner, name)]
+    assert missing == []
+    # The class attributes stock reads plans and repeated blocks from, on every family's transformer.
+    for family in families.FAMILIES:
+        cls = family.model_class()
+        assert patches.tp_plan_of(cls) is family.plan
+        if family.adapter is not None:
+            assert patches.repeated_blocks(cls), cls.__name__
+
+
+def test_another_diffusers_release_is_refused_with_the_fix():
+    patches.check_diffusers_version(diffusers.__version__)
+    expected = r"needs diffusers 0\.42\.x \(found 0\.43\.0\).*pip install 'diffusers~=0\.42\.1'"
+    with pytest.raises(ImportError, match=expected):
+        patches.check_diffusers_version("0.43.0")
+
+
+def test_using_plan_brings_stock_back_and_restores_ours():
+    cls = families.get("flux").model_class()
+    stock = patches.stock_plan(cls)
+    assert stock is not None and stock != families.get("flux").plan
+    with patches.using_plan(cls, stock):
+        assert patches.tp_plan_of(cls) is stock
+    assert patches.tp_plan_of(cls) is families.get("flux").plan
+    assert patches.stock_plan(families.get("h3").model_class()) is None  # diffusers plans no MiniMax-H3
