@@ -2,6 +2,7 @@
 
 import diffusers
 import pytest
+import torch
 
 from neuron_diffusers import families
 from neuron_diffusers.parallel import patches
@@ -34,3 +35,22 @@ def test_using_plan_brings_stock_back_and_restores_ours():
         assert patches.tp_plan_of(cls) is stock
     assert patches.tp_plan_of(cls) is families.get("flux").plan
     assert patches.stock_plan(families.get("h3").model_class()) is None  # diffusers plans no MiniMax-H3
+
+
+def test_local_shard_slices_packed_blocks_like_the_loader():
+    """What `parallel/lora.py` cuts a LoRA factor with: each block's rank slice, concatenated (a packed weight's local
+    layout), the same as diffusers' loader gives the weight itself."""
+
+    class Mesh:  # the two things `_local_shard` asks a mesh
+        def __init__(self, rank):
+            self.rank = rank
+
+        def get_local_rank(self):
+            return self.rank
+
+        def size(self):
+            return 2
+
+    rows = torch.arange(12).view(12, 1)
+    assert patches.local_shard(rows, 0, [4, 8], Mesh(1)).flatten().tolist() == [2, 3, 8, 9, 10, 11]
+    assert patches.local_shard(rows.T, 1, [12], Mesh(0)).flatten().tolist() == [0, 1, 2, 3, 4, 5]

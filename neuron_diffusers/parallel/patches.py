@@ -20,6 +20,8 @@ slice-streaming loader) that we build on rather than copy. These gaps are closed
    `AttnProcessor2_0`) see the rank's local head count once `to_q` is sharded.
 6. The class attributes stock reads plans and repeated blocks from (`_tp_plan`, `_repeated_blocks`) are
    read and written through `tp_plan_of` / `set_tp_plan` / `compile_blocks`, so no other module names them.
+7. A LoRA factor must be sliced exactly like the weight shard it updates (`parallel/lora.py`): `local_shard` is the
+   loader's own slicing (`_local_shard`, packed blocks included).
 
 Each name touched here is private and may move in another release: importing this module refuses any
 diffusers outside the pinned series before it imports a single private module (`diffusers~=0.42.1` in
@@ -72,6 +74,7 @@ PRIVATE_NAMES = (
     (tensor_parallel, "_hooks_only_styles"),
     (tensor_parallel, "resolve_tp_shard_specs"),
     (tensor_parallel, "apply_tensor_parallel"),
+    (tensor_parallel, "_local_shard"),
     (tensor_parallel_neuron, "_hooks_only_styles"),
     (ModelMixin, "_resolve_parallel_config"),
     (ModelMixin, "enable_parallelism"),
@@ -245,6 +248,12 @@ def shard_specs(model: torch.nn.Module, plan: dict, tp: int, *, whole_plan: bool
     layouts = {GatheredColwiseParallel: "colwise", PartialRowwiseParallel: "rowwise"}
     stock = tensor_parallel.resolve_tp_shard_specs.__wrapped__  # diffusers' own, under our wrapper
     return stock(model, {k: layouts.get(type(v), v) for k, v in plan.items()}, tp)
+
+
+def local_shard(tensor: torch.Tensor, dim: int, block_sizes: list[int], mesh) -> torch.Tensor:
+    """This rank's part of `tensor` along `dim`, block by block: the slicing diffusers' loader shards weights with
+    (`_local_shard`), so a tensor sliced here lines up with the weight shard a rank holds."""
+    return tensor_parallel._local_shard(tensor, dim, block_sizes, mesh)
 
 
 def _set_local_heads(model: torch.nn.Module) -> None:

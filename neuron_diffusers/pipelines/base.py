@@ -80,6 +80,10 @@ class PipelineAdapter:
     def transformer_of(self, pipe) -> torch.nn.Module:
         return pipe.transformer
 
+    def lora_loader(self):
+        """The diffusers class whose `load_lora_weights` loads LoRAs into this pipeline (None: it takes none)."""
+        return None
+
     def decoders(self, pipe) -> list[torch.nn.Module]:
         """The modules whose forwards are the decode (none where this rank does not decode)."""
         raise NotImplementedError
@@ -104,6 +108,10 @@ class StockPipelineAdapter(PipelineAdapter):
 
     def pipeline_cls(self):
         return getattr(diffusers, self.pipeline_class)
+
+    def lora_loader(self):
+        """The stock pipeline class itself: each family's pipeline mixes in its `*LoraLoaderMixin`."""
+        return self.pipeline_cls()
 
     def load_encoder(self, checkpoint: Checkpoint, torch_dtype: torch.dtype | None):
         """The stock pipeline with only its text components, on CPU, where the text encoder runs once per prompt."""

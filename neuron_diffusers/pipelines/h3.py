@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import diffusers
 import torch
 from diffusers import ModularPipeline
 from diffusers.modular_pipelines import SequentialPipelineBlocks
@@ -126,6 +127,11 @@ class MiniMaxH3Adapter(PipelineAdapter):
         """The pipeline's `canvas_multiple`: the VAE's spatial compression times the transformer's patch width."""
         compression = math.prod(checkpoint.config("vae")["spatial_downsample_factors"])
         return compression * checkpoint.config("transformer").get("patch_size", (1, 2, 2))[2]
+
+    def lora_loader(self):
+        """The modular pipeline stock `load_lora_weights` runs on (`MiniMaxH3LoraLoaderMixin`): LoRAs for `transformer`
+        (the `t2va` workflow's one denoiser; `transformer_ref` parts are refused, as stock refuses them here)."""
+        return diffusers.MiniMaxH3ModularPipeline
 
     def transformer_of(self, pipes: H3Pipelines) -> torch.nn.Module:
         return pipes.denoiser.transformer
