@@ -42,6 +42,7 @@ from .distributed import (
     is_tp_leader,
 )
 from .media import save_json
+from .parallel.lora import check_loras, parse_lora_option
 from .runner import load_pipeline
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -87,6 +88,9 @@ class JobPlan:
     true_cfg: frozenset = frozenset()
     #: What rank 0 tells the user before the run (e.g. why `--cfg-parallel` fell back to data parallelism).
     notes: list = field(default_factory=list)
+    #: `--lora`, one set for the whole job: `{"source", "scale", "sha256"}` each (`LoraSpec.record`), recorded with
+    #: every output; the file's sha256 and the scale are what identify a LoRA's effect.
+    loras: list = field(default_factory=list)
 
 
 def read_prompt_file(path: Path) -> list[dict]:
@@ -117,6 +121,10 @@ def read_prompt_file(path: Path) -> list[dict]:
         if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
             raise ValueError(f"{where} has no string 'prompt': each line must be an object with a 'prompt'.")
         unknown = set(entry) - JSONL_KEYS
+        if unknown & {"lora", "loras"}:
+            raise ValueError(f"{where}: LoRAs cannot change per line: a switch rewrites every LoRA-touched weight "
+                             "shard. Pass them for the whole job with --lora PATH[:SCALE], and run one job per LoRA "
+                             "set.")
         if unknown:
             raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(JSONL_KEYS)}.")
         entries.append({**entry, "_where": where})
@@ -192,6 +200,7 @@ def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dic
         "dp": dp,
         "cfg": cfg,
         "dtype": plan.dtype,
+        "loras": json.dumps(plan.loras) if plan.loras else "",
         "neuron_diffusers": __version__,
     }
     return {key: str(value) for key, value in values.items()}
@@ -208,12 +217,14 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     entries = ([{"prompt": args.prompt, "_where": "--prompt"}] if args.prompts is None
                else read_prompt_file(args.prompts))
     check_out_dir(args.out)
+    loras = [parse_lora_option(text) for text in args.lora]
     pairs = 2 if args.cfg_parallel else 1
     tp = args.tp or max(world_size // pairs, 1)
     check_tp_degree(tp, world_size)
     checkpoint = resolve(args.model)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
+    check_loras(checkpoint, loras)  # each file read and checked against the transformer's config (no weights)
     adapter = checkpoint.adapter
     if args.negative_prompt is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")
@@ -241,7 +252,8 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     check_cfg_degree(pairs, tp, world_size)  # only once pairs are known to be needed: a fallback runs on any world
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     return JobPlan(checkpoint, requests, args.out, tp, world_size, dtype,
-                   settings={"compile": args.compile, "warmup": args.warmup}, cfg=pairs, true_cfg=true_cfg, notes=notes)
+                   settings={"compile": args.compile, "warmup": args.warmup}, cfg=pairs, true_cfg=true_cfg, notes=notes,
+                   loras=[spec.record() for spec in loras])
 
 
 def _no_pairs_note(adapter, world_size: int, tp: int) -> str:
@@ -305,7 +317,8 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
 
 def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compile_backend, warm: bool, dp: int):
     """Load, compile, and generate this TP group's `work`; returns the saved images' records and the phases."""
-    pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype))
+    pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype),
+                         loras=[(lora["source"], lora["scale"]) for lora in plan.loras])
     compile_start = time.perf_counter()
     if compile_backend:
         compile_repeated_blocks(pipe, backend=compile_backend)
@@ -350,6 +363,7 @@ def _phases(pipe, after_warmup: tuple[dict, dict], compile_seconds: float, image
     return {
         "load transformer (sharded)": round(pipe.times.seconds.get("load transformer (sharded)", 0.0), 4),
         "load other components": round(pipe.times.seconds.get("load other components", 0.0), 4),
+        "fuse LoRAs": round(pipe.times.seconds.get("fuse LoRAs", 0.0), 4),
         "compile + warm-up": round(compile_seconds, 4),
         "encode": round(seconds.get("encode", 0.0), 4),
         "denoise": round(denoise, 4),
@@ -367,6 +381,7 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
         "checkpoint": str(plan.checkpoint.path),
         "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size},
         "dtype": plan.dtype,
+        "loras": plan.loras,
         "neuron_diffusers": __version__,
         "requests": len(plan.requests),
         "generated": len(images),
@@ -422,6 +437,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=4)
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="default: bfloat16 on an accelerator, float32 on CPU")
+    parser.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                        help="a LoRA (.safetensors file, a folder holding one, or a Hub id) fused into every rank's "
+                             "shard at SCALE (default 1); repeat for several. One set for the whole job")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any collective may wait")
     parser.add_argument("--compile", nargs="?", const="auto", default=None, metavar="BACKEND",
                         help="compile the transformer's repeated blocks (default backend: neuron if present, else "

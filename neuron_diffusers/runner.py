@@ -34,6 +34,7 @@ from .distributed import (
     rank,
 )
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
+from .parallel.lora import FusedLoras, check_loras
 from .pipelines import PipelineAdapter
 from .timing import PhaseTimes
 
@@ -69,6 +70,8 @@ class TPPipeline:
     buckets: tuple[int, ...]
     #: Seconds per phase: load, encode, transformer forwards, decode (see `timing.PhaseTimes`).
     times: PhaseTimes = field(default_factory=PhaseTimes)
+    #: The LoRAs fused into this rank's shards (`parallel/lora.py`; `loras.active` lists them), made by `set_loras`.
+    loras: FusedLoras | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self.times.time_module(self.adapter.transformer_of(self.pipe), "transformer forward")
@@ -78,6 +81,14 @@ class TPPipeline:
     @property
     def is_leader(self) -> bool:
         return is_tp_leader(self.mesh)
+
+    def set_loras(self, loras) -> None:
+        """Make `loras` (`[(path_or_hub_id, scale), ...]`) the active LoRA set, fused into every rank's shard in place
+        (no reload, compiled graphs reused); `[]` restores the base weights bit for bit. Every rank of the replica
+        must call it with the same list; a bad request raises the same `LoraError` on each and changes nothing."""
+        if self.loras is None:
+            self.loras = FusedLoras.for_pipeline(self.adapter, self.pipe, self.encoder, self.mesh)
+        self.loras.set(loras)
 
     def generate(
         self,
@@ -196,6 +207,7 @@ def load_pipeline(
     torch_dtype: torch.dtype | None = None,
     *,
     buckets: tuple[int, ...] | None = None,
+    loras=(),
 ) -> TPPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over `mesh["tp"]`.
 
@@ -203,9 +215,11 @@ def load_pipeline(
     defaults to `init_distributed()` (all ranks in one TP group). Only the TP group's leader loads the text encoder
     (on CPU) and the VAE; on a ("dp", "cfg", "tp") mesh each TP group of a CFG pair has its own leader, so the pair
     can split requests that do not use true CFG (a ("dp", "tp") mesh of the same size loads the same). `buckets`
-    overrides the family's static text lengths (`()` turns padding off).
+    overrides the family's static text lengths (`()` turns padding off). `loras` (`[(path_or_hub_id, scale), ...]`)
+    are read and checked before any weight is read, then fused into each rank's shard (see `TPPipeline.set_loras`).
     """
     checkpoint = resolve(model)
+    loras = check_loras(checkpoint, loras)
     adapter = checkpoint.adapter
     mesh = init_distributed() if mesh is None else mesh
     tp_mesh = mesh["tp"]
@@ -226,4 +240,8 @@ def load_pipeline(
         pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader)
     # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
     pipe.set_progress_bar_config(disable=rank() != 0)
-    return TPPipeline(adapter, pipe, encoder, mesh, adapter.buckets if buckets is None else tuple(buckets), times)
+    pipeline = TPPipeline(adapter, pipe, encoder, mesh, adapter.buckets if buckets is None else tuple(buckets), times)
+    if loras:
+        with times.phase("fuse LoRAs"):
+            pipeline.set_loras(loras)
+    return pipeline
