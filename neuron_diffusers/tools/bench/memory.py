@@ -6,7 +6,8 @@ measured by `plan report` on the full-size default configs built on the `meta` d
 takes seconds on a laptop and nothing in it is hand-maintained. MiniMax-H3 has no stock plan:
 stock loads the full model on every rank, so its stock per-rank figure is the total.
 
-`--rss` runs the other benchmark instead: peak RSS of a real tensor-parallel load (`rss.py`).
+`--rss` runs the other benchmark instead: peak RSS of a real tensor-parallel load and of fusing a LoRA into its
+shards (`rss.py`).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="folder for memory.json / .md / .png (default: bench-results)")
     parser.add_argument("--rss", action="store_true",
-                        help="instead: peak RSS of a plain vs a TP=2 load of a generated ~0.5 GB checkpoint")
+                        help="instead: peak RSS of a plain vs a TP=2 load of a generated ~0.5 GB checkpoint, and of "
+                             "fusing a LoRA into the TP=2 shards")
 
 
 def main(args: argparse.Namespace) -> None:

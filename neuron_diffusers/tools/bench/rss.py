@@ -14,20 +14,29 @@ into anonymous (allocated by the process) and file-backed (pages of the mmapped 
 the peak once every weight it holds has been read (safetensors weights are mmap views, resident
 only once read). A rank that materialised a full planned weight and kept only its slice would show
 a load peak above its end-of-load RSS, or anonymous memory beyond the slices it had to copy.
+
+(c) two gloo CPU ranks load as in (b), read every weight, then fuse a LoRA on every Linear
+(`parallel/lora.py`, rank 16). What stays is a CPU copy of each touched local shard (to restore
+the base exactly) and the read LoRA; what comes and goes is one fp32 block of rows of one local
+shard at a time. A rank that built a full weight, or a full delta, to fuse would show a peak above
+its end-of-fuse RSS by at least that weight's size (the largest is given for comparison).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from diffusers import FluxTransformer2DModel, TensorParallelConfig
+from diffusers import FluxPipeline, FluxTransformer2DModel, TensorParallelConfig
+from safetensors.torch import save_file
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ...parallel import lora
 from ...parallel.patches import shard_specs
 from ..plan.report import BF16_BYTES, held_params, plan_dict, planned_model
 from ..spawn import run_on_cpu_ranks
@@ -35,6 +44,7 @@ from ..spawn import run_on_cpu_ranks
 CONFIG = dict(num_attention_heads=16, attention_head_dim=128, num_layers=1, num_single_layers=2,
               joint_attention_dim=2048, pooled_projection_dim=768, in_channels=64)
 MB = 2**20
+LORA_RANK = 16
 
 
 def build_checkpoint(path: Path, seed: int = 0) -> Path:
@@ -51,6 +61,23 @@ def build_checkpoint(path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path / "transformer")
     (path / "model_index.json").write_text(json.dumps(
         {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]}))
+    return path
+
+
+def build_lora(checkpoint: Path, seed: int = 0) -> Path:
+    """A random rank-16 LoRA on every Linear of the checkpoint's transformer (PEFT keys, fp32), next to it."""
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**CONFIG)
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            state[f"transformer.{name}.lora_A.weight"] = torch.randn(LORA_RANK, module.in_features,
+                                                                      generator=generator) * 0.01
+            state[f"transformer.{name}.lora_B.weight"] = torch.randn(module.out_features, LORA_RANK,
+                                                                     generator=generator) * 0.01
+    path = checkpoint / "lora.safetensors"
+    save_file(state, path)
     return path
 
 
@@ -86,6 +113,33 @@ def _measured_load(checkpoint: str, tp: bool) -> dict:
     }
 
 
+def _measured_fuse(checkpoint: str, lora_file: str) -> dict:
+    """Runs in a fresh process: a TP load with every weight read, then the LoRA fused; RSS growth in MiB."""
+    mesh = DeviceMesh("cpu", list(range(dist.get_world_size())))
+    model = FluxTransformer2DModel.from_pretrained(checkpoint, subfolder="transformer", dtype=torch.bfloat16,
+                                                   parallel_config=TensorParallelConfig(mesh=mesh))
+    local = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for tensor in local.values():
+            tensor.view(torch.uint8).max()
+    fused = lora.FusedLoras(model, FluxPipeline, groups=[dist.group.WORLD])
+    Path("/proc/self/clear_refs").write_text("5")
+    before = process_rss_mib()
+    fused.set([(lora_file, 1.0)])
+    after = process_rss_mib()
+    copies = fused.base_copies
+    touched = [f"{name}.weight" for name in copies]
+    return {
+        "fuse_peak_mib": after["peak"] - before["now"],
+        "fuse_end_mib": after["now"] - before["now"],
+        "fuse_anon_mib": after["anon"] - before["anon"],
+        "fuse_file_mib": after["file"] - before["file"],
+        "copies_mib": sum(saved.nbytes for saved in copies.values()) / MB,
+        "largest_local_fp32_mib": max(local[name].numel() for name in touched) * 4 / MB,
+        "largest_full_mib": max(model.get_parameter(name).numel() for name in touched) * BF16_BYTES / MB,
+    }
+
+
 def _expected(checkpoint: Path, tp: int) -> dict[str, float]:
     """What the plan predicts for one rank, in MiB of bf16.
 
@@ -115,6 +169,15 @@ def run(seed: int = 0) -> dict:
             "plain": run_on_cpu_ranks(_measured_load, 1, str(checkpoint), False)[0],
             "tp2": run_on_cpu_ranks(_measured_load, 2, str(checkpoint), True),
         }
+        lora_file = build_lora(checkpoint, seed)
+        result["lora_mib"] = lora_file.stat().st_size / MB
+        # glibc keeps freed buffers in its heap once they were large enough to raise its mmap threshold, so a
+        # transient buffer would stay resident and look permanent: a fixed threshold returns each one on free.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
+        try:
+            result["tp2_fuse"] = run_on_cpu_ranks(_measured_fuse, 2, str(checkpoint), str(lora_file))
+        finally:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
     print(format_rss(result))
     return result
 
@@ -136,4 +199,21 @@ def format_rss(result: dict) -> str:
         lines.append(f"| {label} | {row['held_mib']:.0f} | {row['load_peak_mib']:.0f} | {row['load_end_mib']:.0f} "
                      f"({row['load_anon_mib']:.0f} + {row['load_file_mib']:.0f}) | {row['used_peak_mib']:.0f} |")
     lines.append("\n(MiB; growth over each process's RSS right before `from_pretrained`)")
+    if "tp2_fuse" in result:
+        lines += [
+            "",
+            f"Fusing a rank-{LORA_RANK} LoRA on every Linear ({result['lora_mib']:.0f} MiB file) into the TP=2 shards:",
+            "",
+            "| rank | fuse: peak growth | growth at end (anon + file) | CPU copies of touched shards | transient "
+            "(peak - end) | largest local shard, fp32 | largest full weight, bf16 |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r, row in enumerate(result["tp2_fuse"]):
+            lines.append(f"| {r} | {row['fuse_peak_mib']:.0f} | {row['fuse_end_mib']:.0f} ({row['fuse_anon_mib']:.0f} "
+                         f"+ {row['fuse_file_mib']:.0f}) | {row['copies_mib']:.0f} | "
+                         f"{row['fuse_peak_mib'] - row['fuse_end_mib']:.0f} | "
+                         f"{row['largest_local_fp32_mib']:.0f} | {row['largest_full_mib']:.0f} |")
+        lines.append(f"\n(MiB; growth over the RSS right before `set_loras`, every weight already read. Writing turns "
+                     "the file-backed (copy-on-write) shards anonymous; fp32 work memory is one block of rows, at most "
+                     f"{lora.FP32_CHUNK_BYTES // MB} MiB)")
     return "\n".join(lines)
