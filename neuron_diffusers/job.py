@@ -224,7 +224,6 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     checkpoint = resolve(args.model)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
-    check_loras(checkpoint, loras)  # each file read and checked against the transformer's config (no weights)
     adapter = checkpoint.adapter
     if args.negative_prompt is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")
@@ -250,6 +249,7 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         notes.append(_no_pairs_note(adapter, world_size, tp))
         pairs = 1
     check_cfg_degree(pairs, tp, world_size)  # only once pairs are known to be needed: a fallback runs on any world
+    check_loras(checkpoint, loras)  # last, the slowest: each file read and checked against the transformer's config
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     return JobPlan(checkpoint, requests, args.out, tp, world_size, dtype,
                    settings={"compile": args.compile, "warmup": args.warmup}, cfg=pairs, true_cfg=true_cfg, notes=notes,
