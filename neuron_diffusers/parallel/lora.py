@@ -48,8 +48,8 @@ from . import patches
 
 #: The adapter name PEFT injects under in the meta-device copy that reports each module's scaling.
 _ADAPTER = "neuron_diffusers"
-#: How many read LoRAs are kept (factors on CPU: rank x (in + out) per Linear, the size of the file).
-_CACHED_READS = 8
+#: How many bytes of read LoRAs are kept on CPU for switching back (the most recent one always is).
+_CACHED_BYTES = 1 << 30
 #: The fp32 working memory of fusing one Linear (a block of its local rows at a time).
 FP32_CHUNK_BYTES = 8 << 20
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -154,6 +154,12 @@ class LoadedLora:
     text_state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
     network_alphas: dict | None = None
     metadata: dict | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of tensors it holds (what the read cache counts)."""
+        tensors = [t for f in self.factors.values() for t in (f.A, f.B)] + list(self.text_state_dict.values())
+        return sum(t.nbytes for t in tensors)
 
 
 def lora_loader(adapter):
@@ -277,15 +283,15 @@ def read_lora(spec: LoraSpec, loader, model_class: type, config) -> LoadedLora:
     """Read `spec` with stock `loader.lora_state_dict` and check it against a `model_class(**config)`; the model
     itself is only built on the meta device, so nothing is loaded or modified.
 
-    The last few reads are kept (by file path, size and mtime, and the transformer's config; not the scale), so the
-    checks before loading, the load and switching back to a LoRA read each file once.
+    Recent reads are kept (up to `_CACHED_BYTES`; by file path, size and mtime, and the transformer's config, not the
+    scale), so the checks before loading, the load and switching back to a LoRA read each file once.
     """
     path = spec.file()
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, model_class.__name__, _config_key(model_class, config))
     if key not in _reads:
         _reads[key] = _read(LoraSpec(str(path), spec.scale), path, loader, model_class, config)
-        while len(_reads) > _CACHED_READS:
+        while len(_reads) > 1 and sum(lora.nbytes for lora in _reads.values()) > _CACHED_BYTES:
             _reads.popitem(last=False)
     _reads.move_to_end(key)
     return dataclasses.replace(_reads[key], spec=spec)
