@@ -59,7 +59,8 @@ class Checkpoint:
     @functools.cached_property
     def adapter(self):
         """The family's pipeline adapter, driving `pipeline_class`."""
-        return self.family.adapter().for_pipeline(pipeline_record(self.family, self.pipeline_class))
+        return self.family.adapter().for_pipeline(pipeline_record(self.family, self.pipeline_class),
+                                                  tuple(p.name for p in self.family.pipelines))
 
     def with_pipeline_class(self, pipeline_class: str | type) -> Checkpoint:
         """This checkpoint run by another stock class on the same transformer; refused (naming what is missing)

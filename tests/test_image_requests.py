@@ -84,13 +84,15 @@ def test_classes_that_cannot_run_are_refused_naming_what_is_missing():
 
 
 def test_bad_image_kwargs_are_refused_before_anything_runs():
-    flux, kontext = resolve("flux").adapter, resolve("flux", "FluxKontextPipeline").adapter
+    flux, qwen, kontext = (resolve(*m).adapter for m in (("flux",), ("qwenimage",), ("flux", "FluxKontextPipeline")))
     inpaint, edit = resolve("flux", "FluxInpaintPipeline").adapter, resolve("qwenimage_edit").adapter
     image = input_image(1)
+    text_to_image = "is a text-to-image class and takes no `image`: .*"
     cases = [
-        (flux, dict(image=image), "FluxPipeline is a text-to-image class and takes no `image`"),
+        (flux, dict(image=image), f"FluxPipeline {text_to_image}='FluxKontextPipeline'"),
+        (qwen, dict(image=image), f"QwenImagePipeline {text_to_image}'QwenImageEditPlusPipeline'"),
         (kontext, dict(), "pass `image`"),
-        (kontext, dict(image=image, strength=0.5), "takes no `strength`"),
+        (kontext, dict(image=image, strength=0.5), "takes no `strength`: .*--pipeline FluxImg2ImgPipeline"),
         (kontext, dict(image=[image, image]), "takes one input image, got 2"),
         (kontext, dict(image="in.png"), "must be a PIL image"),
         (inpaint, dict(image=image, strength=0.5), "pass `mask_image`"),

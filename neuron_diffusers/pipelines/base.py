@@ -55,13 +55,15 @@ class PipelineAdapter:
     stock_output_kwargs: dict = {"output_type": "latent"}
     #: What the family verified of the class it drives (`for_pipeline`); None: the adapter's own, no image inputs.
     record: PipelineClass | None = None
+    #: Every class the family verified on its transformer (`for_pipeline`): what error messages suggest.
+    family_classes: tuple[str, ...] = ()
 
-    def for_pipeline(self, record: PipelineClass) -> PipelineAdapter:
+    def for_pipeline(self, record: PipelineClass, family_classes: tuple[str, ...] = ()) -> PipelineAdapter:
         """This adapter driving the stock class `record` names on the family's transformer."""
         if record.name != self.pipeline_class:
             raise ValueError(f"{self.pipeline_class} runs as a modular pipeline; it cannot drive {record.name}.")
         adapter = copy.copy(self)
-        adapter.record = record
+        adapter.record, adapter.family_classes = record, family_classes
         return adapter
 
     @property
@@ -129,14 +131,14 @@ class StockPipelineAdapter(PipelineAdapter):
     #: Call kwargs the adapter fixes, whatever the caller passed (see the subclass for why).
     call_overrides: dict = {}
 
-    def for_pipeline(self, record: PipelineClass) -> StockPipelineAdapter:
+    def for_pipeline(self, record: PipelineClass, family_classes: tuple[str, ...] = ()) -> StockPipelineAdapter:
         """This adapter driving another stock class on the same transformer: what that class requires beyond the
         family's own class and the denoiser's components is loaded with the text encoder, on the encoding rank only
         (Qwen-Image-Edit-Plus's `processor`)."""
         own = required_components(self.pipeline_cls())
         adapter = copy.copy(self)
         adapter.pipeline_class = record.name
-        adapter.record = record
+        adapter.record, adapter.family_classes = record, family_classes
         adapter.text_components = self.text_components + tuple(
             name for name in required_components(adapter.pipeline_cls())
             if name not in own and name not in DENOISER_COMPONENTS and name not in self.shared_components

@@ -36,6 +36,7 @@ import inspect
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
+import diffusers
 import torch
 import torch.distributed as dist
 from PIL import Image
@@ -186,6 +187,12 @@ def vae_without_coders(checkpoint, dtype: torch.dtype) -> torch.nn.Module:
     return torch.nn.Module.to(vae, dtype)
 
 
+def _call_parameters(class_name: str) -> frozenset[str]:
+    cls = getattr(diffusers, class_name, None)
+    is_stock = inspect.isclass(cls) and issubclass(cls, diffusers.DiffusionPipeline)
+    return frozenset(inspect.signature(cls.__call__).parameters) if is_stock else frozenset()
+
+
 def reads_image(pipeline_cls) -> bool:
     """Whether the class's `encode_prompt` takes the condition images (its vision-language text encoder reads
     them), so the prompt is encoded inside the call, where the pipeline has resized them."""
@@ -202,8 +209,11 @@ def check_image_kwargs(adapter, image=None, mask_image=None, strength=None) -> d
     for kwarg in given:
         if kwarg not in takes:
             kind = "a text-to-image class" if "image" not in takes else "an image-conditioned class"
-            raise ValueError(f"{name} is {kind} and takes no `{kwarg}`: load a class that does, e.g. "
-                             "`load_pipeline(model, pipeline_class='FluxInpaintPipeline')` for a mask.")
+            other = next((c for c in adapter.family_classes if kwarg in _call_parameters(c)), None)
+            hint = (f"load a class that does on the same transformer, e.g. `load_pipeline(model, pipeline_class="
+                    f"'{other}')` (the CLI: --pipeline {other})" if other else "no class verified on this model "
+                    "takes it (docs/usage.md, Image inputs)")
+            raise ValueError(f"{name} is {kind} and takes no `{kwarg}`: {hint}.")
     if image is None and not adapter.own_class:
         raise ValueError(f"{name} edits or follows an input image: pass `image` (the CLI: --image PATH). For "
                          "text-to-image, load the checkpoint's own pipeline class.")
