@@ -5,11 +5,18 @@ its pipeline index (`model_index.json`, or a modular pipeline's `modular_model_i
 its class only inside its loading spec) and finds the family. Every later step (checks, loading, the job) reads
 from that one value instead of going back to the disk, so the CLI path reads each JSON file once. No weights are
 read and nothing heavy is imported.
+
+The stock class that runs the folder is the one its index names, or another one asked for (`pipeline_class`):
+one FLUX.1 folder also runs FluxKontextPipeline, FluxImg2ImgPipeline and FluxInpaintPipeline. The family is then
+found by the class's transformer, and a class built on another transformer than the folder's, or one needing a
+component the folder lacks, is refused here, naming what is missing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import json
 import os
 import re
@@ -22,7 +29,8 @@ from huggingface_hub import snapshot_download
 
 from . import families, tiny
 from .distributed import check_heads_divisible
-from .families import Family
+from .families import Family, pipeline_record
+from .pipelines.base import required_components, transformer_class_name
 
 INDEX_FILES = ("model_index.json", "modular_model_index.json")
 
@@ -36,7 +44,12 @@ class Checkpoint:
     source: str
     index: dict
     family: Family
+    #: The stock class that runs it: the index's, or the `pipeline_class` asked for (see `with_pipeline_class`).
+    pipeline_class: str = ""
     _configs: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.pipeline_class = self.pipeline_class or self.pipeline_class_name
 
     @property
     def pipeline_class_name(self) -> str:
@@ -45,8 +58,33 @@ class Checkpoint:
 
     @functools.cached_property
     def adapter(self):
-        """The family's pipeline adapter."""
-        return self.family.adapter()
+        """The family's pipeline adapter, driving `pipeline_class`."""
+        return self.family.adapter().for_pipeline(pipeline_record(self.family, self.pipeline_class),
+                                                  tuple(p.name for p in self.family.pipelines))
+
+    def with_pipeline_class(self, pipeline_class: str | type) -> Checkpoint:
+        """This checkpoint run by another stock class on the same transformer; refused (naming what is missing)
+        unless diffusers exports the class, it is built on the folder's transformer class and the folder holds every
+        component it requires."""
+        cls = stock_pipeline_class(pipeline_class)
+        wanted = self.component_class_name("transformer")
+        runs = transformer_class_name(cls)
+        if runs != wanted:
+            raise ValueError(
+                f"{cls.__name__} runs a {runs}, but {self.path} holds a {wanted}: neuron_diffusers shards the "
+                f"folder's transformer with its plan, so the class must be built on that one. Pick a pipeline class "
+                f"built on {wanted}, e.g. {', '.join(p.name for p in self.family.pipelines)}."
+            )
+        present = set(self.component_names())
+        missing = [name for name in required_components(cls) if name not in present]
+        if missing:
+            raise ValueError(
+                f"{cls.__name__} needs the component(s) {', '.join(missing)}, which {self.path} does not have (it "
+                f"holds {', '.join(sorted(present))}). Use a checkpoint saved for {cls.__name__}."
+            )
+        checked = dataclasses.replace(self, pipeline_class=cls.__name__)
+        checked.adapter  # noqa: B018  -- an adapter that cannot drive the class refuses it now, not at load
+        return checked
 
     def component_names(self) -> list[str]:
         """The components the index lists: `[library, class, ...]` entries, not config values."""
@@ -101,6 +139,19 @@ def pipeline_class_name(index: dict) -> str:
     return index.get("_blocks_class_name", index.get("_class_name", ""))
 
 
+def stock_pipeline_class(pipeline_class: str | type) -> type:
+    """The stock diffusers pipeline class named (or given), refused unless diffusers exports it."""
+    name = pipeline_class if isinstance(pipeline_class, str) else getattr(pipeline_class, "__name__", "")
+    cls = getattr(diffusers, name, None) if name else None
+    given_other = not isinstance(pipeline_class, str) and cls is not pipeline_class
+    if given_other or not (inspect.isclass(cls) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise ValueError(
+            f"`pipeline_class={pipeline_class!r}` is not a stock diffusers pipeline class: pass a class diffusers "
+            "exports, or its name, e.g. 'FluxKontextPipeline'."
+        )
+    return cls
+
+
 def read_index(folder: Path) -> dict:
     """The pipeline index of `folder`: `model_index.json`, else `modular_model_index.json`."""
     for name in INDEX_FILES:
@@ -116,13 +167,19 @@ def read_index(folder: Path) -> dict:
     )
 
 
-def resolve(model: str | os.PathLike | Checkpoint) -> Checkpoint:
+def resolve(model: str | os.PathLike | Checkpoint, pipeline_class: str | type | None = None) -> Checkpoint:
     """A tiny family name (built into the cache on first use), a local folder, or a Hub id (owner/name) resolved
-    into a `Checkpoint`; a folder whose pipeline no family runs is refused here, before any weight is read."""
-    if isinstance(model, Checkpoint):
-        return model
+    into a `Checkpoint`, run by `pipeline_class` (default: the class its index names); a folder whose pipeline no
+    family runs, or a class that cannot run it, is refused here, before any weight is read."""
+    checkpoint = model if isinstance(model, Checkpoint) else _resolve(model)
+    if pipeline_class is None:
+        return checkpoint
+    return checkpoint.with_pipeline_class(pipeline_class)
+
+
+def _resolve(model: str | os.PathLike) -> Checkpoint:
     source = str(model)
-    if source in families.PIPELINE_FAMILIES:
+    if source in families.TINY_CHECKPOINTS:
         path = tiny.cached_tiny(source)
     elif Path(model).is_dir():
         path = Path(model)
@@ -131,19 +188,33 @@ def resolve(model: str | os.PathLike | Checkpoint) -> Checkpoint:
     else:
         raise FileNotFoundError(
             f"Model '{model}' is neither a local checkpoint folder, a Hub id (owner/name) nor a tiny family "
-            f"({', '.join(families.PIPELINE_FAMILIES)}). Pass a folder that `save_pretrained` or `hf download` wrote."
+            f"({', '.join(families.TINY_CHECKPOINTS)}). Pass a folder that `save_pretrained` or `hf download` wrote."
         )
     index = read_index(path)
     name = pipeline_class_name(index)
     family = families.by_pipeline_class(name)
+    if family is None:  # another stock class on a transformer we plan (a FLUX.1 Kontext folder): found by it
+        family = _family_of_transformer(index, name)
     if family is None:
-        supported = ", ".join(f.adapter.pipeline_class for f in families.FAMILIES if f.adapter is not None)
+        supported = ", ".join(p.name for f in families.FAMILIES if f.adapter is not None for p in f.pipelines)
         raise ValueError(
             f"{path} holds a {name or 'pipeline without a class name'}, which neuron_diffusers does not run. "
             f"Supported: {supported}. A new family needs a TP plan, an adapter and a record in "
             "neuron_diffusers/families.py (docs/architecture.md, \"Where does it go\")."
         )
-    return Checkpoint(path, source, index, family)
+    checkpoint = Checkpoint(path, source, index, family)
+    return checkpoint if name == family.adapter.pipeline_class else checkpoint.with_pipeline_class(name)
+
+
+def _family_of_transformer(index: dict, class_name: str) -> Family | None:
+    """The family whose transformer the folder holds, if a stock class it names is built on it."""
+    entry = index.get("transformer")
+    cls = getattr(diffusers, class_name, None)
+    if not (isinstance(entry, list) and len(entry) > 1 and inspect.isclass(cls)
+            and issubclass(cls, diffusers.DiffusionPipeline) and transformer_class_name(cls) == entry[1]):
+        return None
+    family = families.by_model_class(entry[1])
+    return family if family is not None and family.adapter is not None else None
 
 
 def _hub_snapshot(repo_id: str) -> Path:

@@ -6,6 +6,11 @@ else looks families up here: the CLI's family names, the tiny builds, plan and b
 resolver (by the pipeline or transformer class a checkpoint's index names). `name` is the one spelling used in the
 CLI, in file names (plans, tiny builders, samples) and in docs; `display_name` is what people call the model.
 Adding a family: docs/architecture.md, "Where does it go".
+
+A family's transformer often serves several stock pipeline classes (one FLUX.1 folder runs FluxPipeline,
+FluxImg2ImgPipeline, FluxInpaintPipeline and FluxKontextPipeline). `pipelines` lists the ones verified here, with
+what `generate` must know of each that it cannot read from the class; any other stock class built on the
+transformer is found by that transformer and runs with conservative defaults (`PipelineClass(name)`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,20 @@ from .pipelines.qwenimage21 import QwenImage21Adapter
 
 
 @dataclass(frozen=True)
+class PipelineClass:
+    """A stock pipeline class on a family's transformer, and what `generate` needs to know of it."""
+
+    name: str
+    #: Whether `image` may be several reference images (FLUX.2, Qwen-Image-Edit-Plus, Qwen-Image-2.1), not one.
+    references: bool = False
+    #: Whether its true CFG calls the transformer under `cache_context("cond"/"uncond")`, which CFG parallelism
+    #: needs to tell the two branches apart (FLUX.1's img2img, inpainting and Kontext call it bare).
+    named_cfg_branches: bool = False
+    #: The tiny checkpoint that runs it: `tiny/<tiny>.py`, or None for the family's own.
+    tiny: str | None = None
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     display_name: str
@@ -32,6 +51,8 @@ class Family:
     adapter: type[PipelineAdapter] | None = None
     #: Where the released weights live on the Hugging Face Hub (samples and docs point there).
     hub_id: str | None = None
+    #: The stock pipeline classes verified on the family's transformer, the adapter's own class first.
+    pipelines: tuple[PipelineClass, ...] = ()
 
     @property
     def plan_module(self) -> ModuleType:
@@ -64,17 +85,34 @@ class Family:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("flux", "FLUX.1", FluxAdapter, "black-forest-labs/FLUX.1-dev"),
-    Family("flux2", "FLUX.2", Flux2Adapter, "black-forest-labs/FLUX.2-dev"),
-    Family("qwenimage", "Qwen-Image", QwenImageAdapter, "Qwen/Qwen-Image"),
-    Family("qwenimage21", "Qwen-Image-2.1", QwenImage21Adapter, "Qwen/Qwen-Image-2.1"),
-    Family("h3", "MiniMax-H3", MiniMaxH3Adapter, "MiniMaxAI/MiniMax-H3"),
+    Family("flux", "FLUX.1", FluxAdapter, "black-forest-labs/FLUX.1-dev", (
+        PipelineClass("FluxPipeline", named_cfg_branches=True),
+        PipelineClass("FluxKontextPipeline"),
+        PipelineClass("FluxImg2ImgPipeline"),
+        PipelineClass("FluxInpaintPipeline"),
+    )),
+    Family("flux2", "FLUX.2", Flux2Adapter, "black-forest-labs/FLUX.2-dev", (
+        PipelineClass("Flux2Pipeline", references=True),
+    )),
+    Family("qwenimage", "Qwen-Image", QwenImageAdapter, "Qwen/Qwen-Image", (
+        PipelineClass("QwenImagePipeline", named_cfg_branches=True),
+        PipelineClass("QwenImageEditPlusPipeline", references=True, named_cfg_branches=True, tiny="qwenimage_edit"),
+    )),
+    Family("qwenimage21", "Qwen-Image-2.1", QwenImage21Adapter, "Qwen/Qwen-Image-2.1", (
+        PipelineClass("QwenImage21Pipeline", references=True, named_cfg_branches=True),
+    )),
+    Family("h3", "MiniMax-H3", MiniMaxH3Adapter, "MiniMaxAI/MiniMax-H3", (PipelineClass("MiniMaxH3Blocks"),)),
     # The worked example of docs/authoring.md: a plan, no pipeline.
     Family("hunyuanvideo", "HunyuanVideo"),
 )
 
 #: The families whose pipelines run here (a tiny checkpoint, `generate`), in registry order.
 PIPELINE_FAMILIES: tuple[str, ...] = tuple(family.name for family in FAMILIES if family.adapter is not None)
+
+#: Every tiny checkpoint `tiny/` builds: one per pipeline family, then those of further verified classes.
+TINY_CHECKPOINTS: tuple[str, ...] = PIPELINE_FAMILIES + tuple(
+    p.tiny for family in FAMILIES for p in family.pipelines if p.tiny is not None and p.tiny not in PIPELINE_FAMILIES
+)
 
 _BY_NAME = {family.name: family for family in FAMILIES}
 
@@ -91,8 +129,23 @@ def is_family(name: str) -> bool:
 
 
 def by_pipeline_class(class_name: str) -> Family | None:
-    """The family whose adapter runs the pipeline class `class_name` (None if none does)."""
-    return next((f for f in FAMILIES if f.adapter is not None and f.adapter.pipeline_class == class_name), None)
+    """The family whose verified pipeline classes include `class_name` (None if none does)."""
+    return next((f for f in FAMILIES if f.adapter is not None and any(p.name == class_name for p in f.pipelines)),
+                None)
+
+
+def pipeline_record(family: Family, class_name: str) -> PipelineClass:
+    """What the family verified of the stock class `class_name`, or the conservative defaults for another one."""
+    return next((p for p in family.pipelines if p.name == class_name), PipelineClass(class_name))
+
+
+def tiny_module(name: str) -> ModuleType:
+    """`tiny/<name>.py` of a tiny checkpoint (`TINY_CHECKPOINTS`), imported on demand."""
+    if name in PIPELINE_FAMILIES:
+        return get(name).tiny_module
+    if name not in TINY_CHECKPOINTS:
+        raise ValueError(f"Unknown tiny family '{name}'. Choose one of: {', '.join(TINY_CHECKPOINTS)}.")
+    return importlib.import_module(f"{__package__}.tiny.{name}")
 
 
 def by_model_class(class_name: str) -> Family | None:

@@ -9,6 +9,11 @@ With `--cfg-parallel` a replica is a CFG pair of TP groups (a ("dp", "cfg", "tp"
 runs on both groups, one guidance branch each; the requests without it alternate between the two groups, so no
 group idles. A job none of whose requests uses true CFG (no negative prompt, a scale of at most 1, or a
 guidance-distilled family) needs no pairs: it runs on the ("dp", "tp") mesh, the cfg ranks as data parallelism.
+
+`--pipeline CLASS` runs the checkpoint with another stock class on its transformer (Kontext, img2img, inpainting,
+Qwen-Image-Edit-Plus), and `--image`, `--mask`, `--strength` (or a .jsonl line's `image`, `mask`, `strength`, paths
+relative to the prompt file) give its inputs. Each input file is read and checked up front; its path and sha256 go
+into the request (so into the output's settings) and the output's metadata.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import os
 import re
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from PIL import Image
 from tqdm.auto import tqdm
 
 from . import __version__, tiny
@@ -41,13 +48,15 @@ from .distributed import (
     is_replica_leader,
     is_tp_leader,
 )
-from .media import save_json
+from .media import InputImage, save_json
 from .parallel.lora import check_loras, parse_lora_option
+from .pipelines.image_inputs import check_image_kwargs
 from .runner import load_pipeline
 
 DTYPES = ("float32", "bfloat16", "float16")
 
-JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale"}
+JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale", "image",
+              "mask", "strength"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,19 @@ class Request:
     guidance: float | None
     #: FLUX.1's true-CFG scale (its `guidance` is the distilled `guidance_scale`); Qwen-Image's is `guidance`.
     true_cfg_scale: float | None = None
+    #: Input images (several: reference images), an inpainting mask, img2img / inpainting strength; each file with
+    #: the sha256 of its bytes, so a request's settings (and resume key) change with the images it reads.
+    images: tuple[InputImage, ...] = ()
+    mask: InputImage | None = None
+    strength: float | None = None
+
+    def image_kwargs(self) -> dict:
+        """The `generate` kwargs of its image inputs, decoded (one image, or a list of references)."""
+        images = [image.load() for image in self.images]
+        kwargs = {"image": images[0] if len(images) == 1 else images} if images else {}
+        if self.mask is not None:
+            kwargs["mask_image"] = self.mask.load()
+        return kwargs | ({} if self.strength is None else {"strength": self.strength})
 
     def file_name(self, suffix: str) -> str:
         """`00007-a-red-fox-in-the-snow.png`: sortable, and readable without opening the file."""
@@ -95,8 +117,8 @@ class JobPlan:
 
 def read_prompt_file(path: Path) -> list[dict]:
     """`.txt`: one prompt a line (blank lines skipped). `.jsonl`: one object a line with `prompt` and optional
-    `negative_prompt`, `seed`, `height`, `width`, `steps`, `guidance`, `true_cfg_scale`. Errors name the file and
-    line."""
+    `negative_prompt`, `seed`, `height`, `width`, `steps`, `guidance`, `true_cfg_scale`, `image` (a path or a list),
+    `mask`, `strength` (paths relative to the file). Errors name the file and line."""
     if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"--prompts {path}: use a .txt file (one prompt a line) or a .jsonl file (one JSON object "
                          "a line, with a 'prompt' key).")
@@ -127,10 +149,25 @@ def read_prompt_file(path: Path) -> list[dict]:
                              "set.")
         if unknown:
             raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(JSONL_KEYS)}.")
-        entries.append({**entry, "_where": where})
+        entries.append({**entry, **_input_paths(entry, path.parent, where), "_where": where})
     if not entries:
         raise ValueError(f"--prompts {path} holds no prompt: add one per line.")
     return entries
+
+
+def _input_paths(entry: dict, base: Path, where: str) -> dict:
+    """A line's `image` (a path or a list of paths) and `mask` as paths relative to the prompt file's folder."""
+    paths = {}
+    for key in ("image", "mask"):
+        value = entry.get(key)
+        if value is None:
+            continue
+        items = value if key == "image" and isinstance(value, list) else [value]
+        if not items or not all(isinstance(item, str) and item for item in items):
+            what = "a path or a list of paths" if key == "image" else "a path"
+            raise ValueError(f"{where}: '{key}' must be {what} (relative to the prompt file), got {value!r}.")
+        paths[key] = [base / item for item in items]
+    return paths
 
 
 def _int(entry: dict, key: str, default, minimum: int = 0):
@@ -149,9 +186,19 @@ def _number(entry: dict, key: str, default):
 
 def build_requests(entries: list[dict], *, seed: int, height: int, width: int, steps: int,
                    guidance: float | None, negative_prompt: str | None, multiple: int,
-                   true_cfg_scale: float | None = None) -> list[Request]:
-    """Requests with the command line's settings as defaults; image `i` without its own seed uses `seed + i`."""
+                   true_cfg_scale: float | None = None, images: list[Path] = (), mask: Path | None = None,
+                   strength: float | None = None) -> list[Request]:
+    """Requests with the command line's settings as defaults; image `i` without its own seed uses `seed + i`.
+    Each input file is read once, however many requests name it."""
     requests = []
+    read = {}
+
+    def inputs(paths) -> tuple[InputImage, ...]:
+        for path in paths:
+            if str(path) not in read:
+                read[str(path)] = InputImage.read(path)
+        return tuple(read[str(path)] for path in paths)
+
     for index, entry in enumerate(entries):
         if not entry["prompt"].strip():
             raise ValueError(f"{entry['_where']}: the prompt is empty. Give the text to generate from.")
@@ -165,6 +212,9 @@ def build_requests(entries: list[dict], *, seed: int, height: int, width: int, s
             steps=_int(entry, "steps", steps, 1),
             guidance=_number(entry, "guidance", guidance),
             true_cfg_scale=_number(entry, "true_cfg_scale", true_cfg_scale),
+            images=inputs(entry.get("image", images)),
+            mask=next(iter(inputs(entry.get("mask", [] if mask is None else [mask]))), None),
+            strength=_number(entry, "strength", strength),
         )
         if request.height % multiple or request.width % multiple:
             raise ValueError(
@@ -196,6 +246,7 @@ def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dic
         "guidance": "" if request.guidance is None else request.guidance,
         "true_cfg_scale": "" if request.true_cfg_scale is None else request.true_cfg_scale,
         "model": plan.checkpoint.source,
+        "pipeline": plan.checkpoint.pipeline_class,
         "tp": plan.tp,
         "dp": dp,
         "cfg": cfg,
@@ -203,6 +254,12 @@ def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dic
         "loras": json.dumps(plan.loras) if plan.loras else "",
         "neuron_diffusers": __version__,
     }
+    if request.images:
+        values["images"] = json.dumps([image.record() for image in request.images])
+    if request.mask is not None:
+        values["mask"] = json.dumps(request.mask.record())
+    if request.strength is not None:
+        values["strength"] = request.strength
     return {key: str(value) for key, value in values.items()}
 
 
@@ -221,7 +278,7 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     pairs = 2 if args.cfg_parallel else 1
     tp = args.tp or max(world_size // pairs, 1)
     check_tp_degree(tp, world_size)
-    checkpoint = resolve(args.model)
+    checkpoint = resolve(args.model, args.pipeline)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
     adapter = checkpoint.adapter
@@ -235,19 +292,26 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         raise ValueError(f"For {adapter.pipeline_class}, --guidance sets true_cfg_scale: use --guidance "
                          f"{args.true_cfg_scale:g} instead of --true-cfg-scale.")
     # A tiny model runs at its own small size unless told otherwise; a real one at 1024 x 1024.
-    tiny_model = args.model in tiny.FAMILIES
+    tiny_model = args.model in tiny.NAMES
     default_height, default_width = tiny.default_size(args.model) if tiny_model else (1024, 1024)
     requests = build_requests(
         entries, seed=args.seed, height=args.height or default_height, width=args.width or default_width,
         steps=args.steps, guidance=args.guidance, negative_prompt=args.negative_prompt,
         multiple=adapter.size_multiple(checkpoint), true_cfg_scale=args.true_cfg_scale,
+        images=args.image, mask=args.mask, strength=args.strength,
     )
+    for request in requests:
+        _check_image_inputs(request, adapter)
     true_cfg = frozenset(r.index for r in requests
                          if adapter.uses_true_cfg(r.negative_prompt, _call_kwargs(r, adapter)))
     notes = []
     if pairs > 1 and not true_cfg:
         notes.append(_no_pairs_note(adapter, world_size, tp))
         pairs = 1
+    if pairs > 1 and not adapter.names_cfg_branches:
+        raise ValueError(f"--cfg-parallel cannot split {adapter.pipeline_class}'s true CFG: it calls its transformer "
+                         "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
+                         "--cfg-parallel (the requests then run with serial CFG).")
     check_cfg_degree(pairs, tp, world_size)  # only once pairs are known to be needed: a fallback runs on any world
     check_loras(checkpoint, loras)  # last, the slowest: each file read and checked against the transformer's config
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
@@ -263,8 +327,21 @@ def _no_pairs_note(adapter, world_size: int, tp: int) -> str:
             f"ranks run as data parallelism instead: dp={world_size // tp}, tp={tp}.")
 
 
+def _check_image_inputs(request: Request, adapter) -> None:
+    """The request's image inputs, checked as `generate` checks them (headers only: each file was decoded once)."""
+    with ExitStack() as files:
+        images = [files.enter_context(Image.open(image.path)) for image in request.images]
+        mask = None if request.mask is None else files.enter_context(Image.open(request.mask.path))
+        try:
+            check_image_kwargs(adapter, (images[0] if len(images) == 1 else images) or None, mask, request.strength)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"Request {request.index} ({request.prompt[:40]!r}): {error}") from None
+
+
 def _call_kwargs(request: Request, adapter) -> dict:
     kwargs = {"height": request.height, "width": request.width, "num_inference_steps": request.steps}
+    if "max_area" in adapter.call_parameters():  # Kontext: keep --height x --width (its default rescales to 1 MP)
+        kwargs["max_area"] = request.height * request.width
     if request.guidance is not None:
         kwargs[adapter.guidance_kwarg] = request.guidance
     if request.true_cfg_scale is not None:
@@ -324,7 +401,9 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
         compile_repeated_blocks(pipe, backend=compile_backend)
         if warm:
             sizes = sorted({(r.height, r.width) for r, _ in work})
-            warmup(pipe, sizes, num_inference_steps=max(2, min(r.steps for r, _ in work)))
+            # A class that needs image inputs warms up with the first request's.
+            warmup(pipe, sizes, num_inference_steps=max(2, min(r.steps for r, _ in work)),
+                   **work[0][0].image_kwargs())
     compile_seconds = time.perf_counter() - compile_start
     after_warmup = (dict(pipe.times.seconds), dict(pipe.times.calls))
 
@@ -337,7 +416,7 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
     for request, with_partner in work:
         start = time.perf_counter()
         outputs = pipe.generate(request.prompt, seed=request.seed, negative_prompt=request.negative_prompt,
-                                alone=not with_partner, **_call_kwargs(request, pipe.adapter))
+                                alone=not with_partner, **request.image_kwargs(), **_call_kwargs(request, pipe.adapter))
         if outputs is not None:  # the rank that holds the image saves it
             save_start = time.perf_counter()
             path = plan.out_dir / request.file_name(pipe.adapter.output_suffix)
@@ -411,7 +490,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=None, help="one prompt (or use --prompts)")
     parser.add_argument("--prompts", type=Path, default=None,
                         help=".txt (one prompt a line) or .jsonl (prompt, negative_prompt, seed, height, width, steps, "
-                             "guidance per line)")
+                             "guidance, true_cfg_scale, image, mask, strength per line; paths relative to the file)")
+    parser.add_argument("--pipeline", default=None, metavar="CLASS",
+                        help="the stock pipeline class to run the checkpoint with, on its transformer (default: the "
+                             "one its model_index.json names), e.g. FluxKontextPipeline, FluxImg2ImgPipeline, "
+                             "FluxInpaintPipeline")
+    parser.add_argument("--image", type=Path, action="append", default=[], metavar="PATH",
+                        help="input image for every prompt; repeat for reference images (FLUX.2, Qwen-Image-Edit-Plus, "
+                             "Qwen-Image-2.1)")
+    parser.add_argument("--mask", type=Path, default=None, metavar="PATH",
+                        help="inpainting mask (white repaints), the input image's size")
+    parser.add_argument("--strength", type=float, default=None,
+                        help="img2img / inpainting: how much of the image to repaint, in (0, 1]")
     parser.add_argument("--negative-prompt", default=None,
                         help="for true classifier-free guidance (Qwen-Image, Qwen-Image-2.1; FLUX.1 with "
                              "true_cfg_scale)")

@@ -1,4 +1,5 @@
-"""Writing generated media to disk: PNG images, MP4 video with an optional WAV soundtrack, a run's JSON summary.
+"""Generated media written to disk (PNG images, MP4 video with an optional WAV soundtrack, a run's JSON summary), and
+the input images a request reads.
 
 Every file is written to a temporary name beside its destination and renamed into place only
 once it is complete, so a job killed mid-write (preempted, out of memory, Ctrl-C) never leaves a
@@ -11,6 +12,8 @@ some sample rates, so the MP4's soundtrack may have been resampled.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import os
@@ -215,3 +218,46 @@ def _write_wav(audio: torch.Tensor, sampling_rate: int, target: Path) -> None:
         wav.setsampwidth(2)
         wav.setframerate(sampling_rate)
         wav.writeframes(pcm.T.contiguous().numpy().astype("<i2").tobytes())
+
+
+@dataclass(frozen=True)
+class InputImage:
+    """An input image (or mask) of a request: the file it was read from, its size, and the sha256 of its bytes, which
+    the output records and which makes its settings (and so its resume key) differ when the file does."""
+
+    path: str
+    sha256: str
+    width: int
+    height: int
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> InputImage:
+        """Read and check `path` once: a readable file that PIL decodes whole (a clear error otherwise)."""
+        data, image = _decode(Path(path))
+        return cls(str(path), hashlib.sha256(data).hexdigest(), *image.size)
+
+    def load(self) -> PIL.Image.Image:
+        """The decoded image, refused if the file changed since `read` (the output would record other bytes)."""
+        data, image = _decode(Path(self.path))
+        if hashlib.sha256(data).hexdigest() != self.sha256:
+            raise ValueError(f"{self.path} changed while the job ran: its output would not record the image it was "
+                             "made from. Leave input images unchanged during a run, and rerun.")
+        return image
+
+    def record(self) -> dict[str, str]:
+        """What an output's metadata records of it."""
+        return {"path": self.path, "sha256": self.sha256}
+
+
+def _decode(path: Path) -> tuple[bytes, PIL.Image.Image]:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ValueError(f"Cannot read the input image {path}: {error.strerror or error}. Check the path (prompt "
+                         "files name images relative to themselves).") from None
+    try:
+        image = PIL.Image.open(io.BytesIO(data))
+        image.load()
+    except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as error:
+        raise ValueError(f"{path} is not an image PIL can read ({error}): give a PNG, JPEG or WebP file.") from None
+    return data, image

@@ -8,11 +8,17 @@ stock pipeline, checking that the group's latents agree → the leader decodes a
 On a ("dp", "cfg", "tp") mesh (`init_distributed(cfg=2)`) each replica is a CFG pair of TP groups. A call with true
 classifier-free guidance runs each image on both groups, one guidance branch each (`parallel/cfg.py`); a call
 without it gives each group its own images, so the second group is extra data parallelism instead of idle.
+
+Image inputs (`generate(image=..., mask_image=..., strength=...)`, any stock class on the family's transformer
+via `load_pipeline(..., pipeline_class=...)`) go through the stock call too; the one rank that holds a VAE (and,
+where the text encoder reads the image, the encoder) shares its results inside it (`pipelines/image_inputs.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -36,10 +42,11 @@ from .distributed import (
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
 from .parallel.lora import FusedLoras, check_loras
 from .pipelines import PipelineAdapter
+from .pipelines.image_inputs import check_image_kwargs, reads_image, shared_image_inputs, vae_without_coders
 from .timing import PhaseTimes
 
 # Inputs `generate` owns (passing them would bypass the one-rank encoding or the rank-consistent noise), and
-# `image`, which it cannot run yet.
+# FLUX.2's prompt upsampling, which it cannot run.
 _OWNED_KWARGS = {
     "prompt": "pass prompts as the first argument",
     "prompt_embeds": "`generate` encodes each prompt once on the group leader and broadcasts the embeddings",
@@ -48,9 +55,10 @@ _OWNED_KWARGS = {
     "latents": "pass `seed`: every rank of the group must start from the same noise",
     "num_images_per_prompt": "repeat the prompt: each image gets its own seed (seed + index)",
     "callback_on_step_end": "`generate` uses the step callback to check that the group's latents agree",
-    "image": "image-conditioned generation (FLUX.2 and Qwen-Image-2.1 edits) is not supported yet: the stock "
-             "pipeline VAE-encodes the image on every rank, but only the TP leader loads a VAE (and Qwen-Image-2.1's "
-             "text encoder reads the image with the prompt). Run edits with the stock pipeline",
+    "caption_upsample_temperature": "FLUX.2 upsamples the prompt with its text encoder before encoding it, but "
+                                    "`generate` encodes the prompt first (on the leader only). Upsample it "
+                                    "beforehand (stock `Flux2Pipeline.upsample_prompt`, in one process) and pass the "
+                                    "result as the prompt",
 }
 
 
@@ -72,6 +80,9 @@ class TPPipeline:
     times: PhaseTimes = field(default_factory=PhaseTimes)
     #: The LoRAs fused into this rank's shards (`parallel/lora.py`; `loras.active` lists them), made by `set_loras`.
     loras: FusedLoras | None = field(default=None, repr=False)
+    #: On ranks without a VAE, for classes that take images: loads (once, at the first call with images) what
+    #: `pipe.vae` answers with there (`vae_without_coders`), so text-to-image calls read nothing more.
+    follower_vae: Callable[[], torch.nn.Module] | None = None
 
     def __post_init__(self):
         self.times.time_module(self.adapter.transformer_of(self.pipe), "transformer forward")
@@ -98,6 +109,9 @@ class TPPipeline:
         negative_prompt: str | list[str] | None = None,
         check_latents_every: int | None = None,
         alone: bool = False,
+        image=None,
+        mask_image=None,
+        strength: float | None = None,
         **pipeline_kwargs,
     ) -> list | None:
         """One image (H3: a `VideoWithAudio`) per prompt, on one rank of the replica; `None` on its other ranks.
@@ -115,35 +129,54 @@ class TPPipeline:
         `alone=True` leaves the CFG partner out: this TP group makes every image itself (true CFG then runs
         serially) and its leader returns them; the partner must not make the same call (the job uses this to give
         each group of a pair its own requests).
+
+        `image` (a PIL image, or a list of reference images where the class takes several), `mask_image` and
+        `strength` go to the stock call for every prompt; the class decides what they mean (Kontext, img2img,
+        inpainting, Qwen-Image-Edit-Plus, FLUX.2 references, Qwen-Image-2.1 with an image). They are checked before
+        anything runs: a class that takes none of them, one that needs an image, a mask of another size, a
+        strength outside (0, 1].
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         negatives = self._negatives(negative_prompt, len(prompts))
         for name, why in _OWNED_KWARGS.items():
             if name in pipeline_kwargs:
                 raise ValueError(f"`generate` does not take `{name}`: {why}.")
+        image_kwargs = check_image_kwargs(self.adapter, image, mask_image, strength)
         pair = cfg_size(self.mesh) > 1 and not alone
         joint = pair and self.adapter.uses_true_cfg(negatives[0], pipeline_kwargs)
         if joint:
-            _check_cfg_parallel_kwargs(pipeline_kwargs)
+            _check_cfg_parallel_kwargs(self.adapter, pipeline_kwargs)
         mine = range(len(prompts)) if joint or not pair else range(cfg_rank(self.mesh), len(prompts), 2)
         encode_kwargs = {k: pipeline_kwargs[k] for k in self.adapter.encode_kwargs if k in pipeline_kwargs}
+        # A vision-language encoder that reads the image encodes inside the call, where the pipeline resized it.
+        in_call = bool(image_kwargs) and reads_image(self.adapter.pipeline_cls())
         outputs = {}
         for index in mine:
             with self.times.phase("encode"):
-                embeds = self._encode(prompts[index], negatives[index], encode_kwargs)
-            outputs[index] = self._denoise(embeds, seed + index, joint, check_latents_every, pipeline_kwargs)
+                embeds = (_prompt_strings(prompts[index], negatives[index]) if in_call
+                          else self._encode(prompts[index], negatives[index], encode_kwargs))
+            outputs[index] = self._denoise(embeds, seed + index, joint, check_latents_every,
+                                           {**pipeline_kwargs, **image_kwargs}, image_kwargs, in_call)
         if not pair:
             return [outputs[i] for i in range(len(prompts))] if self.is_leader else None
         return self._collect_pair(outputs, len(prompts), joint)
 
-    def _denoise(self, embeds: dict, seed: int, joint: bool, check_latents_every: int | None, pipeline_kwargs: dict):
-        """One stock pipeline call; with `joint`, the transformer computes only this rank's guidance branch."""
+    def _denoise(self, embeds: dict, seed: int, joint: bool, check_latents_every: int | None, pipeline_kwargs: dict,
+                 image_kwargs: dict, in_call: bool):
+        """One stock pipeline call; with `joint`, the transformer computes only this rank's guidance branch; with
+        `image_kwargs`, one rank's VAE encodes for all (and with `in_call` its text encoder reads the image)."""
         branch = cfg_rank(self.mesh) if joint else 0
         cfg_group = self.mesh["cfg"].get_group() if joint else None
         generator = torch.Generator("cpu").manual_seed(seed)
         check = LatentAgreement(self.mesh["tp"].get_group(), every=check_latents_every, cfg_group=cfg_group)
         proxy = cfg_parallel_transformer(self.pipe, cfg_group) if joint else nullcontext()
-        with torch.no_grad(), self.times.phase("denoise + decode"), proxy:
+        images = nullcontext()
+        if image_kwargs:
+            tp_mesh = self.mesh["tp"]
+            images = shared_image_inputs(self.pipe, vae=self.pipe.vae if self.is_leader else self.follower_vae(),
+                                         encoder=self.encoder, tp_group=tp_mesh.get_group(), pair_group=cfg_group,
+                                         device=mesh_device(tp_mesh), decodes=self.is_leader, text_encode=in_call)
+        with torch.no_grad(), self.times.phase("denoise + decode"), proxy, images:
             # CFG rank 1 gets prompt and negative swapped: its pipeline derives the uncond inputs for the cond call.
             return self.adapter(self.pipe, swap_branches(embeds) if branch else embeds, generator=generator,
                                 decodes=self.is_leader and branch == 0, check=check, buckets=self.buckets,
@@ -190,8 +223,19 @@ class TPPipeline:
         return broadcast_from_leader(embeds, tp_mesh.get_group(), mesh_device(tp_mesh))
 
 
-def _check_cfg_parallel_kwargs(pipeline_kwargs: dict) -> None:
+def _prompt_strings(prompt: str, negative: str | None) -> dict:
+    """The call kwargs for a class that encodes its prompt inside the call (`image_inputs` shares the encoding)."""
+    return {"prompt": prompt} | ({} if negative is None else {"negative_prompt": negative})
+
+
+def _check_cfg_parallel_kwargs(adapter: PipelineAdapter, pipeline_kwargs: dict) -> None:
     """Refuse what CFG parallelism cannot split, before any step runs."""
+    if not adapter.names_cfg_branches:
+        raise ValueError(
+            f"CFG parallelism does not run {adapter.pipeline_class}'s true CFG: it calls its transformer outside "
+            "`cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Generate with "
+            "`alone=True` (the job: without --cfg-parallel), or without a negative prompt."
+        )
     adapter_kwargs = sorted(name for name in pipeline_kwargs if "ip_adapter" in name)
     if adapter_kwargs:
         raise ValueError(
@@ -206,6 +250,7 @@ def load_pipeline(
     mesh: DeviceMesh | None = None,
     torch_dtype: torch.dtype | None = None,
     *,
+    pipeline_class: str | type | None = None,
     buckets: tuple[int, ...] | None = None,
     loras=(),
 ) -> TPPipeline:
@@ -217,8 +262,13 @@ def load_pipeline(
     can split requests that do not use true CFG (a ("dp", "tp") mesh of the same size loads the same). `buckets`
     overrides the family's static text lengths (`()` turns padding off). `loras` (`[(path_or_hub_id, scale), ...]`)
     are read and checked before any weight is read, then fused into each rank's shard (see `TPPipeline.set_loras`).
+
+    `pipeline_class` (a stock class or its name) runs the folder with another class on the same transformer, e.g.
+    FluxKontextPipeline, FluxImg2ImgPipeline or FluxInpaintPipeline on a FLUX.1 folder; default: the class the
+    folder's index names. A class built on another transformer, or needing a component the folder lacks, is refused
+    before any weight is read. Ranks without a VAE keep its small non-encoder/decoder state for image inputs.
     """
-    checkpoint = resolve(model)
+    checkpoint = resolve(model, pipeline_class)
     loras = check_loras(checkpoint, loras)
     adapter = checkpoint.adapter
     mesh = init_distributed() if mesh is None else mesh
@@ -238,9 +288,14 @@ def load_pipeline(
     with times.phase("load other components"):
         encoder = adapter.load_encoder(checkpoint, torch_dtype) if leader else None
         pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader)
+        follower_vae = None
+        if not leader and "image" in adapter.call_parameters():
+            dtype = torch_dtype or torch.float32
+            follower_vae = functools.cache(functools.partial(vae_without_coders, checkpoint, dtype))
     # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
     pipe.set_progress_bar_config(disable=rank() != 0)
-    pipeline = TPPipeline(adapter, pipe, encoder, mesh, adapter.buckets if buckets is None else tuple(buckets), times)
+    pipeline = TPPipeline(adapter, pipe, encoder, mesh, adapter.buckets if buckets is None else tuple(buckets), times,
+                          follower_vae=follower_vae)
     if loras:
         with times.phase("fuse LoRAs"):
             pipeline.set_loras(loras)

@@ -243,7 +243,7 @@ def runner_checks(checkpoints: dict, call_kwargs: dict) -> dict:
         except LatentsDivergedError as error:
             result["divergence"] = str(error)
         result["refused"] = {}
-        for name in ("prompt_embeds", "generator", "latents", "image"):  # inputs `generate` owns or cannot run
+        for name in ("prompt_embeds", "generator", "latents", "caption_upsample_temperature"):  # owned / cannot run
             try:
                 pipe.generate("a red fox", **{name: None}, **call_kwargs[family])
                 result["refused"][name] = "accepted"

@@ -80,4 +80,4 @@ def test_inputs_generate_owns_or_cannot_run_are_refused_with_the_reason(runner_r
         refused = report[family]["refused"]
         assert "encodes each prompt once on the group leader" in refused["prompt_embeds"]
         assert "pass `seed`" in refused["generator"] and "same noise" in refused["latents"]
-        assert "only the TP leader loads a VAE" in refused["image"]
+        assert "Upsample it beforehand" in refused["caption_upsample_temperature"]

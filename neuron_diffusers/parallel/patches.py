@@ -22,6 +22,9 @@ slice-streaming loader) that we build on rather than copy. These gaps are closed
    read and written through `tp_plan_of` / `set_tp_plan` / `compile_blocks`, so no other module names them.
 7. A LoRA factor must be sliced exactly like the weight shard it updates (`parallel/lora.py`): `local_shard` is the
    loader's own slicing (`_local_shard`, packed blocks included).
+8. Image inputs on ranks without a VAE (`pipelines/image_inputs.py`): the posterior every diffusers KL VAE's
+   `encode` returns, and its output container, are not exported; `vae_encode_output` rebuilds them from the
+   leader's shared parameters so that stock `retrieve_latents` runs unchanged on every rank.
 
 Each name touched here is private and may move in another release: importing this module refuses any
 diffusers outside the pinned series before it imports a single private module (`diffusers~=0.42.1` in
@@ -54,6 +57,8 @@ check_diffusers_version()  # before the private modules below are imported
 
 from diffusers import hooks  # noqa: E402
 from diffusers.hooks import tensor_parallel, tensor_parallel_neuron  # noqa: E402
+from diffusers.models import modeling_outputs  # noqa: E402
+from diffusers.models.autoencoders import vae as vae_module  # noqa: E402
 from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: E402
@@ -79,6 +84,8 @@ PRIVATE_NAMES = (
     (ModelMixin, "_resolve_parallel_config"),
     (ModelMixin, "enable_parallelism"),
     (ModelMixin, "compile_repeated_blocks"),
+    (vae_module, "DiagonalGaussianDistribution"),
+    (modeling_outputs, "AutoencoderKLOutput"),
 )
 
 
@@ -335,6 +342,24 @@ def compile_blocks(transformer: torch.nn.Module, block_classes: list[str], **com
 def repeated_blocks(transformer: torch.nn.Module) -> list[str]:
     """The block classes the model declares as repeated (what stock compiles by default)."""
     return list(getattr(transformer, "_repeated_blocks", ()) or ())
+
+
+def posterior_parameters(encoded) -> torch.Tensor:
+    """The mean and log-variance (`parameters`) of a KL VAE's `encode` output, refused for any other posterior:
+    only a diagonal Gaussian can be rebuilt from its parameters on the ranks without a VAE."""
+    posterior = encoded.latent_dist if hasattr(encoded, "latent_dist") else encoded[0]
+    if type(posterior) is not vae_module.DiagonalGaussianDistribution or posterior.deterministic:
+        raise NotImplementedError(
+            f"The VAE's `encode` returned a {type(posterior).__name__}, not a (non-deterministic) diagonal Gaussian "
+            "posterior: neuron_diffusers can only share KL-VAE encodings across a TP group."
+        )
+    return posterior.parameters
+
+
+def vae_encode_output(parameters: torch.Tensor, return_dict: bool = True):
+    """What a KL VAE's `encode(x, return_dict)` returns, rebuilt from its posterior's `parameters`."""
+    posterior = vae_module.DiagonalGaussianDistribution(parameters)
+    return modeling_outputs.AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
 
 _installed = False

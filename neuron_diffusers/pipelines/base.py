@@ -13,6 +13,7 @@ Each rank builds the pipeline from only the components its role needs:
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,10 @@ from ..media import save_png
 
 if TYPE_CHECKING:  # the checkpoint module looks adapters up through `families`, which imports this one
     from ..checkpoint import Checkpoint
+    from ..families import PipelineClass
+
+#: What every rank's pipeline holds around the sharded transformer; every other component is the encoder's.
+DENOISER_COMPONENTS = ("transformer", "vae", "scheduler")
 
 
 class PipelineAdapter:
@@ -48,6 +53,32 @@ class PipelineAdapter:
     output_suffix: str = ".png"
     #: Call kwargs a stock single-process call needs to return what this adapter compares (tools, tests).
     stock_output_kwargs: dict = {"output_type": "latent"}
+    #: What the family verified of the class it drives (`for_pipeline`); None: the adapter's own, no image inputs.
+    record: PipelineClass | None = None
+    #: Every class the family verified on its transformer (`for_pipeline`): what error messages suggest.
+    family_classes: tuple[str, ...] = ()
+
+    def for_pipeline(self, record: PipelineClass, family_classes: tuple[str, ...] = ()) -> PipelineAdapter:
+        """This adapter driving the stock class `record` names on the family's transformer."""
+        if record.name != self.pipeline_class:
+            raise ValueError(f"{self.pipeline_class} runs as a modular pipeline; it cannot drive {record.name}.")
+        adapter = copy.copy(self)
+        adapter.record, adapter.family_classes = record, family_classes
+        return adapter
+
+    @property
+    def own_class(self) -> bool:
+        """Whether it drives the family's own text-to-image class (any other class is loaded for its image inputs)."""
+        return type(self).pipeline_class == self.pipeline_class
+
+    @property
+    def names_cfg_branches(self) -> bool:
+        """Whether its true CFG names the transformer calls' branches, as CFG parallelism needs (`PipelineClass`)."""
+        return self.record.named_cfg_branches if self.record is not None else self.own_class
+
+    def call_parameters(self) -> frozenset[str]:
+        """The stock call's parameters: image inputs run only on stock classes (a modular pipeline has none here)."""
+        return frozenset()
 
     def load_encoder(self, checkpoint: Checkpoint, torch_dtype: torch.dtype | None):
         """The text components, on CPU, ready for `encode` (only the encoding rank calls this)."""
@@ -104,6 +135,20 @@ class StockPipelineAdapter(PipelineAdapter):
     #: Call kwargs the adapter fixes, whatever the caller passed (see the subclass for why).
     call_overrides: dict = {}
 
+    def for_pipeline(self, record: PipelineClass, family_classes: tuple[str, ...] = ()) -> StockPipelineAdapter:
+        """This adapter driving another stock class on the same transformer: what that class requires beyond the
+        family's own class and the denoiser's components is loaded with the text encoder, on the encoding rank only
+        (Qwen-Image-Edit-Plus's `processor`)."""
+        own = required_components(self.pipeline_cls())
+        adapter = copy.copy(self)
+        adapter.pipeline_class = record.name
+        adapter.record, adapter.family_classes = record, family_classes
+        adapter.text_components = self.text_components + tuple(
+            name for name in required_components(adapter.pipeline_cls())
+            if name not in own and name not in DENOISER_COMPONENTS and name not in self.shared_components
+        )
+        return adapter
+
     # -- loading -------------------------------------------------------------------------------------------
 
     def pipeline_cls(self):
@@ -112,6 +157,8 @@ class StockPipelineAdapter(PipelineAdapter):
     def lora_loader(self):
         """The stock pipeline class itself: each family's pipeline mixes in its `*LoraLoaderMixin`."""
         return self.pipeline_cls()
+    def call_parameters(self) -> frozenset[str]:
+        return frozenset(inspect.signature(self.pipeline_cls().__call__).parameters)
 
     def load_encoder(self, checkpoint: Checkpoint, torch_dtype: torch.dtype | None):
         """The stock pipeline with only its text components, on CPU, where the text encoder runs once per prompt."""
@@ -200,6 +247,22 @@ class StockPipelineAdapter(PipelineAdapter):
             **{**kwargs, **self.call_overrides},
         )
         return output.images[0] if decodes else None
+
+
+def transformer_class_name(cls: type) -> str:
+    """The transformer class a stock pipeline class is built on, from its `__init__` signature ("" if none)."""
+    parameter = inspect.signature(cls.__init__).parameters.get("transformer")
+    if parameter is None:
+        return ""
+    annotation = parameter.annotation
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+
+
+def required_components(cls: type) -> list[str]:
+    """The components a stock pipeline class's `__init__` requires (those without a default)."""
+    return [name for name, parameter in inspect.signature(cls.__init__).parameters.items()
+            if name != "self" and parameter.default is inspect.Parameter.empty
+            and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
 
 
 def bucket_for(buckets: tuple[int, ...], length: int, owner: str) -> int:

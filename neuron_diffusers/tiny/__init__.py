@@ -22,12 +22,12 @@ from .. import families
 
 #: The families with a tiny pipeline (every family whose pipelines run here).
 FAMILIES = families.PIPELINE_FAMILIES
+#: Every tiny checkpoint: one per family, then those of further stock classes (`qwenimage_edit`).
+NAMES = families.TINY_CHECKPOINTS
 
 
 def _family_module(family: str):
-    if family not in FAMILIES:
-        raise ValueError(f"Unknown tiny family '{family}'. Choose one of: {', '.join(FAMILIES)}.")
-    return families.get(family).tiny_module
+    return families.tiny_module(family)
 
 
 def default_size(family: str) -> tuple[int, int]:
@@ -112,7 +112,7 @@ def _build_in_subprocess(family: str, path: Path, seed: int) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("family", help=f"one of: {', '.join(FAMILIES)}")
+    parser.add_argument("family", help=f"one of: {', '.join(NAMES)}")
     parser.add_argument("dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
 

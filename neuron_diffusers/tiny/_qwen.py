@@ -1,6 +1,8 @@
-"""Qwen tokenizer, Qwen3-VL processor and Qwen-Image scheduler, built in code for the tiny Qwen-family checkpoints.
+"""Qwen tokenizer, Qwen3-VL processor, Qwen-Image scheduler, and the tiny Qwen-Image VAE, transformer and Qwen2.5-VL
+text encoder config, built in code for the tiny Qwen-family checkpoints.
 
-Shared by every tiny pipeline whose text encoder is a Qwen2.5-VL or Qwen3-VL model.
+Shared by every tiny pipeline whose text encoder is a Qwen2.5-VL or Qwen3-VL model (Qwen-Image and
+Qwen-Image-Edit-Plus share the Qwen-Image parts).
 """
 
 from __future__ import annotations
@@ -9,9 +11,16 @@ import json
 import re
 from collections.abc import Iterable
 
-from diffusers import FlowMatchEulerDiscreteScheduler
+import torch
+from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 from tokenizers import models
-from transformers import Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2Tokenizer,
+    Qwen2VLImageProcessor,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
+)
 
 from ._tokenizers import train_byte_level_bpe
 
@@ -44,6 +53,10 @@ CHAT_TEMPLATE = (
 )
 
 _SPECIAL_TOKEN_RE = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+
+# Width of the Qwen2.5-VL text encoder's hidden states, which the Qwen-Image transformer reads as
+# `joint_attention_dim`. Kept unlike the transformer's width so a mixed-up projection fails loudly.
+QWEN_IMAGE_TEXT_DIM = 32
 
 
 def qwen2_tokenizer(whole_words: Iterable[str] = ()) -> Qwen2Tokenizer:
@@ -112,6 +125,73 @@ def qwen_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
         shift_terminal=0.02,
         time_shift_type="exponential",
         use_dynamic_shifting=True,
+    )
+
+
+def template_tokenizer(pipeline, whole_words: Iterable[str] = ()) -> Qwen2Tokenizer:
+    """A `qwen2_tokenizer` for a Qwen-Image pipeline that drops a hard-coded number of leading tokens (its system
+    prompt, which the real vocabulary tokenizes word by word) from the text embeddings: every word of its template is
+    kept whole, so the drop removes exactly the system prompt here too (checked)."""
+    template = pipeline.prompt_template_encode
+    tokenizer = qwen2_tokenizer([template, *whole_words])
+    prefix_len = len(tokenizer(template.split("{}")[0]).input_ids)
+    if prefix_len != pipeline.prompt_template_encode_start_idx:
+        raise RuntimeError(
+            f"the prompt template prefix is {prefix_len} tokens, the pipeline drops "
+            f"{pipeline.prompt_template_encode_start_idx}"
+        )
+    return tokenizer
+
+
+def qwen_image_denoiser(seed: int) -> tuple[AutoencoderKLQwenImage, QwenImageTransformer2DModel]:
+    """The tiny Qwen-Image VAE (8x, 16 latent channels) and 2x2-patched MMDiT, each seeded with `seed`."""
+    torch.manual_seed(seed)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1)
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16 * 4,  # 2x2 patches of the VAE's 16 latent channels
+        out_channels=16,
+        num_layers=2,
+        # 4 heads so TP=2 and TP=4 shard whole heads; 4 x 16 = 64 wide, and every sharded projection (64, the 4x MLP's
+        # 256) divides by 4.
+        num_attention_heads=4,
+        attention_head_dim=16,
+        joint_attention_dim=QWEN_IMAGE_TEXT_DIM,
+        axes_dims_rope=(4, 6, 6),  # frame/height/width split of the head dim, each even, summing to 16
+    )
+    return vae, transformer
+
+
+def qwen2_5_vl_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
+    """Qwen2.5-VL at two text layers and one full-attention vision block with the real patching (14 px patches, 2x2
+    merge, 2-frame temporal patches): Qwen-Image never runs the tower, Qwen-Image-Edit-Plus reads images with it."""
+    head_dim = 16
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=QWEN_IMAGE_TEXT_DIM,
+            intermediate_size=2 * QWEN_IMAGE_TEXT_DIM,
+            num_hidden_layers=2,
+            num_attention_heads=QWEN_IMAGE_TEXT_DIM // head_dim,
+            num_key_value_heads=1,
+            # Multimodal RoPE splits the head's 8 rotary frequencies over (time, height, width), as [16, 24, 24]
+            # splits the real 64.
+            rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0, mrope_section=[2, 3, 3]),
+            bos_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            # Vision tokens are spliced into the text sequence, so they share its width.
+            out_hidden_size=QWEN_IMAGE_TEXT_DIM,
+            fullatt_block_indexes=[0],
+        ),
+        **vl_token_ids(tokenizer),
     )
 
 

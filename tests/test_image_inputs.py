@@ -1,0 +1,102 @@
+"""Image-conditioned stock pipelines under TP give the stock single-process image, and what the transformer sees.
+
+One spawn (2 CPU ranks) runs every case through `load_pipeline(..., pipeline_class=...)` and `generate(image=...)`:
+FLUX.1 Kontext, img2img and inpainting from the tiny FLUX.1 folder, Qwen-Image-Edit-Plus with two input images,
+FLUX.2 with two reference images and Qwen-Image-2.1 with an input image at TP=2, and Qwen-Image-Edit-Plus with true
+CFG over a CFG pair (cfg=2). The stock references run in this process.
+
+Besides the issue's pixel criterion (mean abs difference < 1/255), the transformer's first-call inputs are held to
+1e-5 (float32 rounding: the ranks run one thread, this process more, so convolutions sum in another order): on
+these random tiny models another input image moves Kontext's output by ~3e-5 per pixel, far under 1/255, so pixels
+alone could not tell right image latents from wrong ones. A control shows that another input image moves those
+inputs far more (and, for the vision-language encoders, the prompt embeddings too).
+"""
+
+import numpy as np
+import pytest
+import torch
+from image_jobs import CASES, COMPARED, NEGATIVE, PROMPT, case_inputs, first_call_inputs, image_tp_checks
+
+from neuron_diffusers import tiny
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
+
+#: Classes whose vision-language text encoder reads the input images.
+READS_IMAGE = ("edit_plus", "qwenimage21", "edit_plus_cfg")
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    return {name: str(tiny.cached_tiny(name)) for name in ("flux", "flux2", "qwenimage21", "qwenimage_edit")}
+
+
+@pytest.fixture(scope="module")
+def reports(checkpoints):
+    return run_on_cpu_ranks(image_tp_checks, 2, checkpoints, CASES, timeout_s=900)
+
+
+def stock(checkpoints, case, first_image=None):
+    """The stock class alone in this process: its image and the transformer's first-call inputs."""
+    import diffusers
+    from image_jobs import shrink_edit_vae_area
+
+    shrink_edit_vae_area()
+    pipe = getattr(diffusers, case["class"]).from_pretrained(checkpoints[case["model"]])
+    pipe.set_progress_bar_config(disable=True)
+    negative = {"negative_prompt": case["negative"]} if case.get("negative") else {}
+    with torch.no_grad(), first_call_inputs(pipe.transformer) as seen:
+        image = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(0), output_type="np", **negative,
+                     **case_inputs(case, first_image), **case["call"]).images[0]
+    return np.asarray(image, dtype=np.float32), seen[0].numpy(), seen[1].numpy()
+
+
+@pytest.mark.parametrize("name", COMPARED)
+def test_tp2_matches_the_stock_single_process_image_and_inputs(checkpoints, reports, name):
+    leader, other = reports[0][name], reports[1][name]
+    assert "error" not in leader and "error" not in other, (leader.get("error"), other.get("error"))
+    case = CASES[name]
+    if case.get("cfg"):  # a CFG pair at tp=1: both ranks are TP leaders, the pair's leader returns the image
+        assert other["output"] is None and other["holds_vae"]
+    image, hidden, text = stock(checkpoints, case)
+    output, (hidden_tp, text_tp) = leader["output"], leader["inputs"]
+    assert output.shape == image.shape
+    assert np.abs(output - image).mean() < 1 / 255
+    assert hidden_tp.shape == hidden.shape and np.abs(hidden_tp - hidden).max() < 1e-5, "noise or image latents"
+    assert text_tp.shape == text.shape and np.abs(text_tp - text).max() < 1e-5, "prompt embeddings"
+
+    # Control: the comparison above can fail. Another first input image moves the transformer's inputs by far more.
+    _, hidden_other, text_other = stock(checkpoints, case, first_image=case["images"][0] + 10)
+    assert np.abs(hidden_other - hidden).mean() > 1e-3
+    if name in READS_IMAGE:
+        assert text_other.shape != text.shape or np.abs(text_other - text).max() > 1e-2
+
+
+def test_followers_hold_no_vae_weights_nor_encoder_and_the_pipeline_is_restored(reports):
+    for name in COMPARED:
+        leader, other = reports[0][name], reports[1][name]
+        assert leader["holds_vae"] and leader["holds_encoder"], name
+        assert leader["vae_after_call"].startswith("AutoencoderKL"), name
+        assert leader["encode_prompt_restored"] and other["encode_prompt_restored"], name
+        if not CASES[name].get("cfg"):
+            assert not other["holds_vae"] and not other["holds_encoder"] and other["vae_after_call"] is None, name
+            real = other["follower_vae_real"]
+            assert not [n for n in real if n.startswith(("encoder.", "decoder."))], (name, real)
+            if name == "flux2":  # FLUX.2 normalises image latents with the VAE's batch-norm statistics on every rank
+                assert {"bn.running_mean", "bn.running_var"} <= set(real)
+
+
+def test_a_rank_given_another_image_fails_on_every_rank(reports):
+    errors = [report["diverged"].get("error", "") for report in reports]
+    assert all(error.startswith("ImageInputsDivergedError") for error in errors), errors
+    assert all("image the VAE encodes" in error and "rank(s) [1]" in error for error in errors)
+
+
+def test_a_failure_on_the_encoding_rank_reaches_every_rank(reports):
+    leader, other = reports[0]["leader_failure"], reports[1]["leader_failure"]
+    assert leader == "MemoryError: out of memory in the VAE"
+    assert other.startswith("LeaderFailedError") and "out of memory in the VAE" in other
+
+
+def test_the_cfg_case_uses_true_cfg():
+    """The CFG-pair case must really run true CFG (a negative prompt and a scale above 1), or it proves nothing."""
+    case = CASES["edit_plus_cfg"]
+    assert case["negative"] == NEGATIVE and case["call"]["true_cfg_scale"] > 1 and case["cfg"] == 2
