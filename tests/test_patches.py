@@ -34,3 +34,9 @@ def test_using_plan_brings_stock_back_and_restores_ours():
         assert patches.tp_plan_of(cls) is stock
     assert patches.tp_plan_of(cls) is families.get("flux").plan
     assert patches.stock_plan(families.get("h3").model_class()) is None  # diffusers plans no MiniMax-H3
+
+
+def test_every_private_instance_attribute_patches_reads_exists():
+    missing = [f"{factory.__name__}().{name}" for factory, name in patches.PRIVATE_INSTANCE_ATTRIBUTES
+               if not hasattr(factory(), name)]
+    assert missing == []
