@@ -105,9 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FirstBlockCache thresholds, comma-separated (default 0.1,0.3,0.5,1.0: a tiny random "
                              "model's first-block residual moves far more per step than a trained model's)")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--size", type=int, default=512,
-                        help="height = width (default 512: compute, not per-step collective latency, dominates)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed generations per mode")
+    parser.add_argument("--size", type=int, default=256,
+                        help="height = width (default 256: at the tiny families' own 32x32 per-step collective "
+                             "latency, not compute, is what gets measured)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed generations per mode")
     parser.add_argument("--json", action="store_true")
 
 
