@@ -377,16 +377,18 @@ def _register_block_metadata(transformer: torch.nn.Module, config) -> None:
         if patches.block_metadata(cls) is not None:
             continue
         # `coalesce` swaps a block to a same-named subclass with a reordered forward of the same signature.
-        stock = next((patches.block_metadata(base) for base in cls.__mro__[1:]
+        stock = next((base for base in cls.__mro__[1:]
                       if base.__name__ == cls.__name__ and patches.block_metadata(base) is not None), None)
-        indices = stock or OWN_BLOCK_METADATA.get(cls.__name__)
-        if indices is None:
+        if stock is not None:
+            patches.inherit_block_metadata(cls, stock)
+            continue
+        if cls.__name__ not in OWN_BLOCK_METADATA:
             raise ValueError(
                 f"{type(config).__name__} needs to know which output of {cls.__name__} is `hidden_states`, and "
                 f"diffusers has no metadata for it. Use TaylorSeerCacheConfig, or add {cls.__name__} to "
                 "neuron_diffusers.parallel.cache.OWN_BLOCK_METADATA."
             )
-        patches.register_block_metadata(cls, *indices)
+        patches.register_block_metadata(cls, *OWN_BLOCK_METADATA[cls.__name__])
     head, tail = (patches.block_metadata(type(block)) for block in (blocks[0], blocks[-1]))
     if type(config).__name__ == "FirstBlockCacheConfig" and (head[1] is None) != (tail[1] is None):
         # FLUX.2: stock FirstBlockCache subtracts the head's (text, image) pair from the tail's one joined tensor.

@@ -32,6 +32,7 @@ pyproject.toml; tests/test_patches.py checks every name still exists).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections import OrderedDict
 
@@ -90,6 +91,8 @@ PRIVATE_NAMES = (
     (_common, "_ALL_TRANSFORMER_BLOCK_IDENTIFIERS"),
     (_helpers, "TransformerBlockRegistry"),
     (_helpers, "TransformerBlockMetadata"),
+    (_helpers.TransformerBlockMetadata, "_cls"),
+    (_helpers.TransformerBlockMetadata, "_cached_parameter_indices"),
     (first_block_cache, "_FBC_LEADER_BLOCK_HOOK"),
     (first_block_cache, "_FBC_BLOCK_HOOK"),
     (first_block_cache.FBCHeadBlockHook, "_should_compute_remaining_blocks"),
@@ -387,6 +390,12 @@ def register_block_metadata(cls: type, hidden_states_index: int, encoder_hidden_
     """Tell FirstBlockCache and MagCache which outputs of `cls` are which (its inputs keep the stock names)."""
     _helpers.TransformerBlockRegistry.register(cls, _helpers.TransformerBlockMetadata(
         return_hidden_states_index=hidden_states_index, return_encoder_hidden_states_index=encoder_hidden_states_index))
+
+
+def inherit_block_metadata(cls: type, base: type) -> None:
+    """Register `cls`, a subclass with `base`'s forward signature (`coalesce`), with a copy of `base`'s metadata."""
+    copy = dataclasses.replace(_helpers.TransformerBlockRegistry.get(base), _cls=None, _cached_parameter_indices=None)
+    _helpers.TransformerBlockRegistry.register(cls, copy)
 
 
 _CACHE_HOOKS = (first_block_cache._FBC_LEADER_BLOCK_HOOK, first_block_cache._FBC_BLOCK_HOOK,
