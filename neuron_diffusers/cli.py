@@ -1,9 +1,9 @@
 """`neuron-diffusers` (also `python -m neuron_diffusers`): a table of subcommands, each served by one module.
 
 Every module in `COMMANDS` has `add_arguments(parser)` and `main(args)` (returning an exit status, or None for 0).
-`generate` is the job (`job.py`); `tiny` builds offline checkpoints; `plan ...` and `bench ...` are developer tools
-(`tools/`). Bad input from the user exits with status 2 and a one-line error; everything is checked before a
-process group starts or any weight is read.
+`generate` is the job (`job.py`); `tiny` builds offline checkpoints; `compare` measures two outputs' difference;
+`plan ...` and `bench ...` are developer tools (`tools/`). Bad input from the user exits with status 2 and a one-line
+error; everything is checked before a process group starts or any weight is read.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 COMMANDS = {
     "generate": ("job", "generate images (H3: videos) for prompts over the launched ranks"),
     "tiny": ("tiny", "build a tiny random checkpoint of a family, offline"),
+    "compare": ("tools.compare", "PSNR and SSIM of two images, or of two output folders (e.g. cached vs not)"),
     "plan report": ("tools.plan.report", "per-rank memory and collectives of a plan at a TP degree"),
     "plan check": ("tools.plan.check", "lint a plan against a model's module tree (meta device, no weights); "
                                        "exit 1 on errors"),
@@ -27,6 +28,7 @@ COMMANDS = {
                                                      "stock"),
     "bench compile": ("tools.bench.compile", "recompiles over a prompt set, stock vs ours; cold compile times"),
     "bench cfg": ("tools.bench.cfg", "step time of CFG-parallel vs serial CFG on the same ranks; forwards"),
+    "bench cache": ("tools.bench.cache", "step time and fraction skipped vs threshold at TP=2, beside no cache"),
 }
 #: Help for the command groups of two-word commands.
 GROUPS = {"plan": "inspect tensor-parallel plans", "bench": "benchmarks"}

@@ -14,6 +14,11 @@ visible stall. Three things keep the graph count fixed:
   (size, bucket) once up front, so the first real request pays nothing.
 - `RecompileGuard` watches for recompiles after warm-up: it warns once per new reason (which input, old and new
   shape, as dynamo words it), or raises.
+
+With a step cache (`parallel/cache.py`) the cache's hooks replace each block's `forward`, and stock compiles
+`_call_impl`, hooks and skip decision included (a graph break that `fullgraph=True` refuses). So each block's own
+`forward` is compiled with the hooks lifted, and the hooks are put back around it: the decision runs eagerly between
+graphs. Warm-up runs with the hooks lifted too, so every graph compiles even where the cache would skip.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from __future__ import annotations
 import importlib.util
 import re
 import warnings
+from contextlib import nullcontext
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from torch._dynamo.utils import compilation_time_metrics, counters, guard_failures
 
 from .parallel import patches
+from .parallel.cache import group_cache_of
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -89,16 +96,31 @@ def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", *, block
     """
     transformer = _transformer_of(pipe_or_transformer)
     _warn_if_unbucketed(pipe_or_transformer)
-    # A pipeline adapter may narrow the blocks to those that run at bucketed shapes (MiniMax-H3: not its refiner).
-    chosen = blocks or getattr(getattr(pipe_or_transformer, "adapter", None), "compiled_blocks", None)
-    block_classes = list(chosen or patches.repeated_blocks(transformer))
+    block_classes = compiled_block_classes(transformer, getattr(pipe_or_transformer, "adapter", None), blocks)
+    cache = group_cache_of(transformer)
+    if cache is not None:
+        cache.check_compilable(block_classes)
+    options = {"fullgraph": True, "dynamic": False, **torch_compile_kwargs}
+    backend = resolve_backend(backend)
     for module in transformer.modules():
         if type(module).__name__ in block_classes:
             # A torch pre-hook, the same compiler-disabled function on every block: one graph serves them all.
             module.register_forward_pre_hook(_row_major_block_inputs, with_kwargs=True)
-    options = {"fullgraph": True, "dynamic": False, **torch_compile_kwargs}
-    patches.compile_blocks(transformer, block_classes, backend=resolve_backend(backend), **options)
+    if cache is None:
+        patches.compile_blocks(transformer, block_classes, backend=backend, **options)
+        return transformer
+    with cache.suspended():  # each block's own forward, so the re-installed cache hooks stay outside the graphs
+        for module in transformer.modules():
+            if type(module).__name__ in block_classes:
+                module.forward = torch.compile(module.forward, backend=backend, **options)
     return transformer
+
+
+def compiled_block_classes(transformer: torch.nn.Module, adapter=None, blocks: list[str] | None = None) -> list[str]:
+    """The block classes `compile_repeated_blocks` compiles: `blocks`, else the pipeline adapter's choice (it may
+    narrow them to those that run at bucketed shapes, MiniMax-H3: not its refiner), else the model's repeated
+    blocks."""
+    return list(blocks or getattr(adapter, "compiled_blocks", None) or patches.repeated_blocks(transformer))
 
 
 def _warn_if_unbucketed(pipe) -> None:
@@ -140,12 +162,15 @@ def warmup(pipe, sizes: list[tuple[int, int]], buckets: tuple[int, ...] | None =
     buckets = pipe.buckets if buckets is None else tuple(buckets)
     _allow_graphs(len(sizes) * max(len(buckets), 1) * GRAPHS_PER_SHAPE)
     declared = pipe.buckets
+    cache = group_cache_of(_transformer_of(pipe))
     try:
-        for height, width in sizes:
-            for bucket in buckets or (None,):
-                # A one-word prompt padded to exactly `bucket`: the shapes of any prompt of that bucket.
-                pipe.buckets = (bucket,) if bucket else ()
-                pipe.generate(["warm-up"], seed=0, height=height, width=width, **generate_kwargs)
+        # With a step cache: uncached, so no step skips a graph (see the module doc).
+        with cache.suspended() if cache is not None else nullcontext():
+            for height, width in sizes:
+                for bucket in buckets or (None,):
+                    # A one-word prompt padded to exactly `bucket`: the shapes of any prompt of that bucket.
+                    pipe.buckets = (bucket,) if bucket else ()
+                    pipe.generate(["warm-up"], seed=0, height=height, width=width, **generate_kwargs)
     finally:
         pipe.buckets = declared
     return RecompileGuard(_transformer_of(pipe), mode=on_recompile) if on_recompile else None

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from . import __version__, tiny
 from .checkpoint import Checkpoint, resolve
 from .cli import positive_int
-from .compile import compile_repeated_blocks, compile_report, resolve_backend, warmup
+from .compile import compile_repeated_blocks, compile_report, compiled_block_classes, resolve_backend, warmup
 from .distributed import (
     broadcast_object_from_replica_leader,
     cfg_rank,
@@ -49,6 +49,7 @@ from .distributed import (
     is_tp_leader,
 )
 from .media import InputImage, save_json
+from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import check_loras, parse_lora_option
 from .pipelines.image_inputs import check_image_kwargs
 from .runner import load_pipeline
@@ -113,6 +114,8 @@ class JobPlan:
     #: `--lora`, one set for the whole job: `{"source", "scale", "sha256"}` each (`LoraSpec.record`), recorded with
     #: every output; the file's sha256 and the scale are what identify a LoRA's effect.
     loras: list = field(default_factory=list)
+    #: `--cache`: the diffusers step-cache config every rank installs (None: no cache).
+    cache: object = None
 
 
 def read_prompt_file(path: Path) -> list[dict]:
@@ -250,6 +253,7 @@ def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dic
         "tp": plan.tp,
         "dp": dp,
         "cfg": cfg,
+        "cache": plan.settings.get("cache") or "",
         "dtype": plan.dtype,
         "loras": json.dumps(plan.loras) if plan.loras else "",
         "neuron_diffusers": __version__,
@@ -275,6 +279,7 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
                else read_prompt_file(args.prompts))
     check_out_dir(args.out)
     loras = [parse_lora_option(text) for text in args.lora]
+    cache = parse_cache_spec(args.cache, steps=args.steps) if args.cache else None
     pairs = 2 if args.cfg_parallel else 1
     tp = args.tp or max(world_size // pairs, 1)
     check_tp_degree(tp, world_size)
@@ -282,6 +287,10 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
     adapter = checkpoint.adapter
+    if cache is not None:
+        # Tried on the meta-device transformer (no weights), with the blocks `--compile` would compile.
+        meta = checkpoint.meta("transformer")
+        check_cache(cache, meta, compiled_block_classes(meta, adapter) if args.compile else None)
     if args.negative_prompt is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")
     if args.guidance is not None and adapter.guidance_kwarg is None:
@@ -302,6 +311,10 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     )
     for request in requests:
         _check_image_inputs(request, adapter)
+    if type(cache).__name__ == "MagCacheConfig" and any(r.steps != cache.num_inference_steps for r in requests):
+        raise ValueError(f"--cache {args.cache}: MagCache's schedule is laid out for num_inference_steps="
+                         f"{cache.num_inference_steps}, and some requests run another number of steps. Give them all "
+                         "the same steps, or run them as separate jobs.")
     true_cfg = frozenset(r.index for r in requests
                          if adapter.uses_true_cfg(r.negative_prompt, _call_kwargs(r, adapter)))
     notes = []
@@ -316,8 +329,8 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     check_loras(checkpoint, loras)  # last, the slowest: each file read and checked against the transformer's config
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     return JobPlan(checkpoint, requests, args.out, tp, world_size, dtype,
-                   settings={"compile": args.compile, "warmup": args.warmup}, cfg=pairs, true_cfg=true_cfg, notes=notes,
-                   loras=[spec.record() for spec in loras])
+                   settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=pairs,
+                   true_cfg=true_cfg, notes=notes, loras=[spec.record() for spec in loras], cache=cache)
 
 
 def _no_pairs_note(adapter, world_size: int, tp: int) -> str:
@@ -395,7 +408,7 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
 def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compile_backend, warm: bool, dp: int):
     """Load, compile, and generate this TP group's `work`; returns the saved images' records and the phases."""
     pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype),
-                         loras=[(lora["source"], lora["scale"]) for lora in plan.loras])
+                         loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache)
     compile_start = time.perf_counter()
     if compile_backend:
         compile_repeated_blocks(pipe, backend=compile_backend)
@@ -405,7 +418,8 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
             warmup(pipe, sizes, num_inference_steps=max(2, min(r.steps for r, _ in work)),
                    **work[0][0].image_kwargs())
     compile_seconds = time.perf_counter() - compile_start
-    after_warmup = (dict(pipe.times.seconds), dict(pipe.times.calls))
+    after_warmup = (dict(pipe.times.seconds), dict(pipe.times.calls),
+                    pipe.cache.totals.as_dict() if pipe.cache is not None else None)
 
     images = []
     # One bar, on rank 0, over its TP group's images; the stock per-step bar (rank 0 only, see `load_pipeline`)
@@ -423,22 +437,34 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
             pipe.adapter.save(outputs[0], path, text=settings_text(request, plan, dp, cfg=2 if with_partner else 1))
             images.append({**asdict(request), "file": path.name, "seconds": round(time.perf_counter() - start, 4),
                            "save_seconds": round(time.perf_counter() - save_start, 4), "rank": dist.get_rank(),
-                           "cfg_parallel": with_partner})
+                           "cfg_parallel": with_partner,
+                           **({"cache": pipe.cache_counts[-1]} if pipe.cache is not None else {})})
         bar.update(1)
     bar.close()
 
     return images, _phases(pipe, after_warmup, compile_seconds, images)
 
 
-def _phases(pipe, after_warmup: tuple[dict, dict], compile_seconds: float, images: list) -> dict:
-    """Seconds per phase on this rank: load, compile (incl. warm-up), encode, denoise per step, decode, save.
+#: Rows of the timing table that count (a step cache's transformer forwards) instead of timing.
+COUNT_PHASES = ("transformer forwards computed", "transformer forwards from cache")
 
-    Encode, denoise and decode count the real requests only: warm-up runs are compile time.
+
+def _phases(pipe, after_warmup: tuple[dict, dict, dict | None], compile_seconds: float, images: list) -> dict:
+    """Seconds per phase on this rank: load, compile (incl. warm-up), encode, denoise per step, decode, save; with a
+    step cache, also this rank's transformer forwards computed and served from the cache (counts).
+
+    Encode, denoise and decode count the real requests only: warm-up runs are compile time. With a cache,
+    "denoise per transformer forward" averages computed and cached forwards.
     """
     seconds = {name: value - after_warmup[0].get(name, 0.0) for name, value in pipe.times.seconds.items()}
     forwards = pipe.times.calls.get("transformer forward", 0) - after_warmup[1].get("transformer forward", 0)
     decode = seconds.get("decode", 0.0)
     denoise = seconds.get("denoise + decode", 0.0) - decode
+    cached = {}
+    if pipe.cache is not None:
+        totals, before = pipe.cache.totals.as_dict(), after_warmup[2]
+        cached = dict(zip(COUNT_PHASES, (totals["computed"] - before["computed"],
+                                         totals["cached"] - before["cached"]), strict=True))
     return {
         "load transformer (sharded)": round(pipe.times.seconds.get("load transformer (sharded)", 0.0), 4),
         "load other components": round(pipe.times.seconds.get("load other components", 0.0), 4),
@@ -449,6 +475,7 @@ def _phases(pipe, after_warmup: tuple[dict, dict], compile_seconds: float, image
         "denoise per transformer forward": round(denoise / forwards, 4) if forwards else None,
         "decode": round(decode, 4),
         "save": round(sum(image["save_seconds"] for image in images), 4),
+        **cached,
     }
 
 
@@ -471,7 +498,8 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
 
 
 def format_phases(summary: dict) -> str:
-    """The final timing table: one column per TP group ("-" for a group that had nothing left to do)."""
+    """The final timing table: one column per TP group ("-" for a group that had nothing left to do); seconds,
+    and the step cache's forward counts (whole numbers) where there are any."""
     groups = summary["phases_per_tp_group"]
     names = next((list(group) for group in groups if group), [])
     if not names:
@@ -480,7 +508,9 @@ def format_phases(summary: dict) -> str:
             "|---|" + "---:|" * len(groups)]
     for phase in names:
         values = [None if group is None else group[phase] for group in groups]
-        rows.append(f"| {phase} (s) | " + " | ".join("-" if v is None else f"{v:.3f}" for v in values) + " |")
+        counts = phase in COUNT_PHASES
+        rows.append(f"| {phase}{'' if counts else ' (s)'} | "
+                    + " | ".join("-" if v is None else f"{v}" if counts else f"{v:.3f}" for v in values) + " |")
     return "\n".join(rows)
 
 
@@ -534,6 +564,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", nargs="?", const="auto", default=None, metavar="BACKEND",
                         help="compile the transformer's repeated blocks (default backend: neuron if present, else "
                              "inductor)")
+    parser.add_argument("--cache", default=None, metavar="SPEC",
+                        help="step cache with decisions shared by each TP group: first-block:THRESHOLD, "
+                             "taylorseer:KEY=VALUE,... or mag:KEY=VALUE,... (diffusers' FirstBlockCacheConfig, "
+                             "TaylorSeerCacheConfig, MagCacheConfig fields)")
     parser.add_argument("--warmup", action="store_true",
                         help="with --compile: compile the requested size and every text-length bucket before "
                              "generating")

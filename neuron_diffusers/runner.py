@@ -5,6 +5,9 @@ weight is read) → stream each rank's transformer slice → the leader (TP rank
 encodes each prompt once and broadcasts the embeddings → every rank denoises the same CPU-seeded noise with the
 stock pipeline, checking that the group's latents agree → the leader decodes and returns the image.
 
+With `cache=` (a diffusers step-cache config) the transformer runs diffusers' cache hooks with every skip decision
+shared by its group (`parallel/cache.py`), and each image's forwards computed vs served from the cache are kept.
+
 On a ("dp", "cfg", "tp") mesh (`init_distributed(cfg=2)`) each replica is a CFG pair of TP groups. A call with true
 classifier-free guidance runs each image on both groups, one guidance branch each (`parallel/cfg.py`); a call
 without it gives each group its own images, so the second group is extra data parallelism instead of idle.
@@ -39,6 +42,7 @@ from .distributed import (
     mesh_device,
     rank,
 )
+from .parallel.cache import GroupCache, check_cache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
 from .parallel.lora import FusedLoras, check_loras
 from .pipelines import PipelineAdapter
@@ -83,6 +87,9 @@ class TPPipeline:
     #: On ranks without a VAE, for classes that take images: loads (once, at the first call with images) what
     #: `pipe.vae` answers with there (`vae_without_coders`), so text-to-image calls read nothing more.
     follower_vae: Callable[[], torch.nn.Module] | None = None
+    #: With a step cache: per image this rank denoised, its transformer forwards computed and served from the cache
+    #: (`{"computed", "cached", "by_context"}`; with CFG parallelism both branches', summed over the pair).
+    cache_counts: list = field(default_factory=list)
 
     def __post_init__(self):
         self.times.time_module(self.adapter.transformer_of(self.pipe), "transformer forward")
@@ -100,6 +107,10 @@ class TPPipeline:
         if self.loras is None:
             self.loras = FusedLoras.for_pipeline(self.adapter, self.pipe, self.encoder, self.mesh)
         self.loras.set(loras)
+    @property
+    def cache(self) -> GroupCache | None:
+        """The step cache `load_pipeline(cache=...)` installed (decisions, counts), or None."""
+        return group_cache_of(self.adapter.transformer_of(self.pipe))
 
     def generate(
         self,
@@ -176,11 +187,20 @@ class TPPipeline:
             images = shared_image_inputs(self.pipe, vae=self.pipe.vae if self.is_leader else self.follower_vae(),
                                          encoder=self.encoder, tp_group=tp_mesh.get_group(), pair_group=cfg_group,
                                          device=mesh_device(tp_mesh), decodes=self.is_leader, text_encode=in_call)
-        with torch.no_grad(), self.times.phase("denoise + decode"), proxy, images:
+        cache = self.cache
+        with torch.no_grad(), self.times.phase("denoise + decode"), proxy, images, \
+                cache.pipeline_call() if cache is not None else nullcontext():
             # CFG rank 1 gets prompt and negative swapped: its pipeline derives the uncond inputs for the cond call.
-            return self.adapter(self.pipe, swap_branches(embeds) if branch else embeds, generator=generator,
-                                decodes=self.is_leader and branch == 0, check=check, buckets=self.buckets,
-                                **pipeline_kwargs)
+            output = self.adapter(self.pipe, swap_branches(embeds) if branch else embeds, generator=generator,
+                                  decodes=self.is_leader and branch == 0, check=check, buckets=self.buckets,
+                                  **pipeline_kwargs)
+        if cache is not None:
+            counts = [cache.counts.as_dict()]
+            if joint:  # each rank of the pair computed one branch of this image: count both
+                counts = [None, None]
+                dist.all_gather_object(counts, cache.counts.as_dict(), group=cfg_group)
+            self.cache_counts.append(sum_counts(counts))
+        return output
 
     def _collect_pair(self, outputs: dict, count: int, joint: bool) -> list | None:
         """Every image of the call, in order, on the pair's leader (the other group's leader sends its share)."""
@@ -253,6 +273,7 @@ def load_pipeline(
     pipeline_class: str | type | None = None,
     buckets: tuple[int, ...] | None = None,
     loras=(),
+    cache=None,
 ) -> TPPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over `mesh["tp"]`.
 
@@ -267,8 +288,14 @@ def load_pipeline(
     FluxKontextPipeline, FluxImg2ImgPipeline or FluxInpaintPipeline on a FLUX.1 folder; default: the class the
     folder's index names. A class built on another transformer, or needing a component the folder lacks, is refused
     before any weight is read. Ranks without a VAE keep its small non-encoder/decoder state for image inputs.
+
+    `cache` is a diffusers step-cache config (`FirstBlockCacheConfig`, `TaylorSeerCacheConfig`, `MagCacheConfig`),
+    installed with decisions shared by the TP group (`parallel/cache.py`); it is tried on the meta-device transformer
+    before any weight is read.
     """
     checkpoint = resolve(model, pipeline_class)
+    if cache is not None:
+        check_cache(cache, checkpoint.meta("transformer"))
     loras = check_loras(checkpoint, loras)
     adapter = checkpoint.adapter
     mesh = init_distributed() if mesh is None else mesh
@@ -285,6 +312,10 @@ def load_pipeline(
         )
         if not parallel:
             transformer.to(device)
+    if cache is not None:
+        # After sharding (the hooks wrap the coalesced block forwards). The group is every rank that computes this
+        # transformer's forward: with context parallelism, the CP x TP group.
+        enable_group_cache(transformer, cache, tp_mesh.get_group() if tp_mesh.size() > 1 else None)
     with times.phase("load other components"):
         encoder = adapter.load_encoder(checkpoint, torch_dtype) if leader else None
         pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader)

@@ -54,3 +54,7 @@ def test_local_shard_slices_packed_blocks_like_the_loader():
     rows = torch.arange(12).view(12, 1)
     assert patches.local_shard(rows, 0, [4, 8], Mesh(1)).flatten().tolist() == [2, 3, 8, 9, 10, 11]
     assert patches.local_shard(rows.T, 1, [12], Mesh(0)).flatten().tolist() == [0, 1, 2, 3, 4, 5]
+def test_every_private_instance_attribute_patches_reads_exists():
+    missing = [f"{factory.__name__}().{name}" for factory, name in patches.PRIVATE_INSTANCE_ATTRIBUTES
+               if not hasattr(factory(), name)]
+    assert missing == []
