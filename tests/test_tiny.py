@@ -1,5 +1,6 @@
 """Tiny offline checkpoints: built deterministically, loaded back by the stock loaders, runnable."""
 
+import json
 import time
 
 import pytest
@@ -58,6 +59,13 @@ def test_cli_builds_into_a_new_folder_only(tmp_path, capsys):
     assert main(["tiny", "sd3", str(tmp_path / "sd3")]) == 2
     assert "Unknown tiny family 'sd3'" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flux"]  # no staging folder left behind
+
+
+def test_cli_takes_the_hyphenated_name_of_a_stock_class_checkpoint(tmp_path):
+    target = tmp_path / "edit"
+    assert main(["tiny", "qwenimage-edit", str(target)]) == 0
+    index = json.loads((target / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPlusPipeline" and "processor" in index
 
 
 def test_h3_modular_round_trip_generates_video_and_audio(tiny_checkpoint):

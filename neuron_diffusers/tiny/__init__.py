@@ -112,7 +112,9 @@ def _build_in_subprocess(family: str, path: Path, seed: int) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("family", help=f"one of: {', '.join(NAMES)}")
+    # Shell users spell checkpoint names with hyphens (`qwenimage-edit`); the registry's names are identifiers.
+    parser.add_argument("family", type=lambda name: name.replace("-", "_"),
+                        help=f"one of: {', '.join(NAMES)} (hyphens for underscores also work)")
     parser.add_argument("dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
 
