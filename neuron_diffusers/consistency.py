@@ -33,8 +33,10 @@ from .distributed import default_store
 ENTRY_TIMEOUT_S = 60.0
 
 _STARTED, _ABANDONED = b"started", b"abandoned"
-#: Calls made so far per group (the name of a `CallEntry`), shared by every `CallEntry` of this process.
+#: Calls made so far per group (the name of a `CallEntry`), shared by every `CallEntry` of this process, and the
+#: last call this process saw started.
 _calls: dict[str, int] = {}
+_started: dict[str, int] = {}
 
 
 class LatentsDivergedError(RuntimeError):
@@ -130,8 +132,8 @@ class CallEntry:
                     f"`{self.what}` call. A rank that raised before the call, or skipped it, leaves its peers waiting. "
                     "The group stays usable: the next call pairs the ranks up again."
                 )
-        self._forget(store, number - 1, me)
         seen = [value.decode() for value in store.multi_get(keys)]
+        self._forget(store, number, me)
         if len(set(seen)) > 1:
             listed = ", ".join(f"rank {rank}: {value}" for rank, value in zip(self.ranks, seen, strict=True))
             raise GroupOutOfStepError(
@@ -140,16 +142,13 @@ class CallEntry:
             )
 
     def _forget(self, store, number: int, me: int) -> None:
-        """Drop this rank's key of the previous call once everyone has moved on (its state key: the lowest rank).
-
-        Abandoned calls keep their keys, so a rank arriving there late still learns to skip them.
-        """
-        state = f"{self.name}/{number}/state"
-        if number < 1 or not store.check([state]) or store.get(state) != _STARTED:
-            return
-        store.delete_key(f"{self.name}/{number}/{me}")
-        if me == self.ranks[0]:
-            store.delete_key(state)
+        """Every rank of the group has entered call `number`, so all are done reading the previous call's keys: drop
+        this rank's, and (the lowest rank) the previous call's state if this rank saw it started. An abandoned call
+        keeps its state, so a rank arriving there late still learns to skip it."""
+        store.delete_key(f"{self.name}/{number - 1}/{me}")
+        if me == self.ranks[0] and _started.get(self.name) == number - 1:
+            store.delete_key(f"{self.name}/{number - 1}/state")
+        _started[self.name] = number
 
 
 def shareable(error: BaseException) -> BaseException:

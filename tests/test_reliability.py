@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from neuron_diffusers.cli import main
 from neuron_diffusers.consistency import LatentAgreement, NonFiniteLatentsError
-from neuron_diffusers.media import read_png_text, read_video_text
+from neuron_diffusers.media import VideoWithAudio, read_png_text, read_video_text, save_video
 from neuron_diffusers.outputs import LOCK_NAME, JobLock, digest, settings_key
 from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
@@ -344,6 +344,11 @@ def test_incomplete_outputs_are_not_read_as_done(tmp_path):
         assert read_png_text(tmp_path / name) is None, name
     (tmp_path / "garbage.mp4").write_bytes(b"not a video")
     assert read_video_text(tmp_path / "garbage.mp4") is None
+    video = VideoWithAudio(torch.rand(5, 3, 16, 16), fps=24.0, audio=torch.rand(2, 800) * 2 - 1, sampling_rate=16000)
+    save_video(video, tmp_path / "clip.mp4", text={"settings_digest": "abc"})  # MiniMax-H3's outputs
+    assert read_video_text(tmp_path / "clip.mp4")["settings_digest"] == "abc"
+    (tmp_path / "clip.wav").unlink()
+    assert read_video_text(tmp_path / "clip.mp4") is None, "an MP4 without its WAV is not a complete H3 output"
 
 
 def _info(text):
