@@ -7,6 +7,7 @@ One spawn on 2 CPU ranks runs every multi-rank case (`reliability_jobs.all_check
 import json
 import os
 import shutil
+import signal
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -249,6 +250,26 @@ def test_bad_arguments_exit_2_in_one_line(tmp_path, capsys, case):
     lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert leaving.value.code == 2 and len(lines) == 1 and message in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_during_a_save_leaves_no_temporary_file_and_no_lock(tmp_path, monkeypatch):
+    """torchrun stops its workers with SIGTERM: one landing mid-write leaves the job through Python (exit 143), the
+    half-written temporary file removed and the folder's lock released."""
+    real_save = Image.Image.save
+
+    def save_then_sigterm(self, fp, *args, **kwargs):
+        with open(fp, "wb") as file:
+            file.write(b"\x89PNG half an image")
+        os.kill(os.getpid(), signal.SIGTERM)  # the Python handler runs at the next bytecode, still in here
+        return real_save(self, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save_then_sigterm)
+    out, handler = tmp_path / "out", signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as leaving:
+        main(["generate", "--prompt", "a red fox", "--out", str(out), "--steps", "1"])
+    assert leaving.value.code == 128 + signal.SIGTERM
+    assert sorted(p.name for p in out.iterdir()) == [], "a temporary file, an image or the lock was left behind"
+    assert signal.getsignal(signal.SIGTERM) is handler, "the job's SIGTERM handler was not put back"
 
 
 def test_a_nan_checkpoint_exits_1_with_non_finite_latents_and_writes_no_image(tmp_path, capsys, tiny_checkpoint):
