@@ -697,7 +697,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Qwen-Image-2.1)")
     parser.add_argument("--mask", type=Path, default=None, metavar="PATH",
                         help="inpainting mask (white repaints), the input image's size")
-    parser.add_argument("--strength", type=float, default=None,
+    parser.add_argument("--strength", type=finite_float, default=None,
                         help="img2img / inpainting: how much of the image to repaint, in (0, 1]")
     parser.add_argument("--negative-prompt", default=None,
                         help="for true classifier-free guidance (Qwen-Image, Qwen-Image-2.1; FLUX.1 with "

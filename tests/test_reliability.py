@@ -233,6 +233,7 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_written(tmp_path, c
 ARGUMENT_ERRORS = {
     "--guidance nan": (["--guidance", "nan"], "argument --guidance: must be a finite number, got nan"),
     "--true-cfg-scale inf": (["--true-cfg-scale", "inf"], "argument --true-cfg-scale: must be a finite number"),
+    "--strength nan": (["--strength", "nan"], "argument --strength: must be a finite number"),
     "--timeout 0": (["--timeout", "0"], "argument --timeout: must be a number above 0, got 0"),
     "--timeout nan": (["--timeout", "nan"], "argument --timeout: must be a finite number"),
     '--out ""': (["--out", ""], "argument --out: is empty"),

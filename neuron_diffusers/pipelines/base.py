@@ -319,6 +319,11 @@ class StockPipelineAdapter(PipelineAdapter):
             return None
         return config
 
+    def own_module(self) -> str:
+        """The module of the family's own text-to-image class: its image classes (img2img, inpainting, Kontext, edits)
+        shift timesteps with a copy of its function (diffusers' "Copied from"), so the limits found there are theirs."""
+        return getattr(diffusers, type(self).pipeline_class).__module__
+
     def shift_mu(self, checkpoint: Checkpoint) -> Callable[[int], float] | None:
         """`mu` as a function of the image's latent tokens, computed by the stock pipeline module's own
         `calculate_shift` from the scheduler's config; None when the scheduler does not shift by `exp(mu)`."""
@@ -327,7 +332,7 @@ class StockPipelineAdapter(PipelineAdapter):
             return None
         from ..parallel import patches  # here: patches imports `families`, which imports this module
 
-        calculate_shift = patches.internal(self.pipeline_cls().__module__, "calculate_shift")
+        calculate_shift = patches.internal(self.own_module(), "calculate_shift")
         names = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
         return lambda tokens: calculate_shift(tokens, *(config[name] for name in names))
 

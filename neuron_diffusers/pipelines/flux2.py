@@ -20,7 +20,7 @@ class Flux2Adapter(StockPipelineAdapter):
             return None
         from ..parallel import patches  # here: patches imports `families`, which imports this module
 
-        fit = patches.internal(self.pipeline_cls().__module__, "compute_empirical_mu")
+        fit = patches.internal(self.own_module(), "compute_empirical_mu")
         return lambda tokens: fit(tokens, num_steps=1)
 
     def encode(self, encoder, prompt, negative_prompt, **encode_kwargs):

@@ -6,14 +6,17 @@ active exception", SIGABRT; pytorch/pytorch#190489). torchrun then reports the f
 one run in twenty in CI), so only many runs say anything: this runs
 `torchrun --nproc_per_node=2 -m neuron_diffusers generate --prompt "a red fox" --out DIR --tp 2` (torchrun as
 `python -m torch.distributed.run`, so the same interpreter) `--runs` times, each into a fresh folder, and counts
-non-zero exits, runs whose output names a signal or the abort, and runs whose PNG is missing or broken.
+non-zero exits, runs past `--timeout` (killed with their workers), runs whose output names a signal or the abort,
+and runs whose PNG is missing or broken.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,11 +37,17 @@ def command(out: Path, nproc: int) -> list[str]:
 
 def one_run(out: Path, nproc: int, timeout_s: float) -> dict:
     start = time.perf_counter()
-    try:
-        result = subprocess.run(command(out, nproc), capture_output=True, text=True, timeout=timeout_s)
-        code, output = result.returncode, result.stdout + result.stderr
-    except subprocess.TimeoutExpired as expired:
-        code, output = None, f"timed out after {timeout_s:.0f} s\n{expired.stderr or ''}"
+    # A session of its own, so a run past its time is killed whole: killing torchrun alone would leave its workers
+    # waiting for a store that is gone.
+    with subprocess.Popen(command(out, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as process:
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+            code = process.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            code, output = None, f"timed out after {timeout_s:.0f} s\n{output}"
     crash = _CRASH.search(output)
     return {
         "exit_code": code,
@@ -64,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
             run = one_run(Path(folder) / f"run{index}", args.nproc, args.timeout)
             runs.append(run)
             failed = run["exit_code"] != 0 or run["crash"] or not run["image_ok"]
-            why = run["crash"] or ("no image" if run["exit_code"] == 0 else "non-zero exit")
+            why = run["crash"] or {0: "no image", None: "timed out"}.get(run["exit_code"], "non-zero exit")
             print(f"run {index + 1}/{args.runs}: exit {run['exit_code']}, {run['seconds']} s"
                   + (f", FAILED ({why})" if failed else ""), flush=True)
             if run["tail"]:
@@ -75,7 +84,8 @@ def main(args: argparse.Namespace) -> int:
         "command": " ".join(command(Path("DIR"), args.nproc)),
         "runs": len(runs),
         "clean": len(runs) - len(bad),
-        "non_zero_exit": sum(r["exit_code"] != 0 for r in runs),
+        "non_zero_exit": sum(r["exit_code"] not in (0, None) for r in runs),
+        "timed_out": sum(r["exit_code"] is None for r in runs),
         "signal_or_abort": sum(r["crash"] is not None for r in runs),
         "image_missing": sum(not r["image_ok"] for r in runs),
         "seconds_median": statistics.median(seconds) if seconds else None,
