@@ -148,7 +148,13 @@ class JobLock:
 
 
 def check_unlocked(out_dir: Path, job_digest: str) -> None:
-    """Refuse, before anything starts, an `out_dir` that a running job holds (a shared-lock probe, released at once)."""
+    """Refuse, before anything starts, an `out_dir` that a running job with other settings holds (a shared-lock probe,
+    released at once).
+
+    A holder with this job's digest is left to `JobLock.acquire` on rank 0, whose refusal every rank raises: it may be
+    this very job, when rank 0 of a process group that already runs (a test harness, a server) took the lock before
+    another rank got here.
+    """
     path = out_dir / LOCK_NAME
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -157,7 +163,9 @@ def check_unlocked(out_dir: Path, job_digest: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # succeeds when nobody holds it: a dead job's file
     except BlockingIOError:
-        raise ValueError(_in_use(out_dir, _read_holder(fd), job_digest)) from None
+        holder = _read_holder(fd)
+        if holder.get("digest") != job_digest:
+            raise ValueError(_in_use(out_dir, holder, job_digest)) from None
     finally:
         os.close(fd)
 
