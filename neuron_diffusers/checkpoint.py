@@ -100,16 +100,12 @@ class Checkpoint:
         # `[library, class]`, or a modular `[library, class, spec]` whose spec may carry the class alone.
         return entry[1] or entry[2]["type_hint"][1]
 
-    def config(self, component: str) -> dict:
-        """`component/config.json`, read once; a missing or broken file is named in the error."""
-        if component not in self._configs:
-            path = self.path / component / "config.json"
-            try:
-                self._configs[component] = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as error:
-                raise ValueError(f"Cannot read {path}: {error}. The checkpoint is incomplete or damaged; download "
-                                 "or save it again.") from None
-        return self._configs[component]
+    def config(self, component: str, file: str = "config.json") -> dict:
+        """`component/file` (default `config.json`), read once; a missing or broken file is named in the error."""
+        key = f"{component}/{file}"
+        if key not in self._configs:
+            self._configs[key] = _read_json(self.path / key)
+        return self._configs[key]
 
     def transformer_class(self):
         return getattr(diffusers, self.component_class_name("transformer"))
@@ -125,7 +121,14 @@ class Checkpoint:
         check_heads_divisible(str(self.path), self.config("transformer").get("num_attention_heads"), tp)
 
     def check_safetensors(self) -> None:
-        """Tensor-parallel loading streams each rank's slice out of safetensors; other formats would load whole."""
+        """The transformer's weights are safetensors (tensor-parallel loading streams each rank's slice out of them;
+        other formats would load whole), and every component's files are complete.
+
+        Each JSON file of every component the index lists must parse, each shard a `.index.json` names must exist,
+        and each safetensors header must parse and fit its file (a truncated download fails here). Only headers
+        are read, so this costs milliseconds, and it runs on every rank before the process group starts: a broken
+        file is named at once, instead of failing on the one rank that loads that component mid-load.
+        """
         folder = self.path / "transformer"
         if folder.is_dir() and not any(folder.glob("*.safetensors")):
             raise ValueError(
@@ -133,6 +136,45 @@ class Checkpoint:
                 "from safetensors. Convert the checkpoint (load it and `save_pretrained(..., "
                 "safe_serialization=True)`)."
             )
+        for name in self.component_names():
+            for path in sorted((self.path / name).glob("*.json")):
+                content = _read_json(path)
+                shards = set(content.get("weight_map", {}).values()) if path.name.endswith(".index.json") else set()
+                for shard in sorted(shards):
+                    if not (path.parent / shard).is_file():
+                        raise ValueError(f"{path} names the shard {shard}, which is missing from {path.parent}. The "
+                                         "checkpoint is incomplete; download or save it again.")
+            for path in sorted((self.path / name).glob("*.safetensors")):
+                _check_safetensors_header(path)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"Cannot read {path}: {error}. The checkpoint is incomplete or damaged; download or save it "
+                         "again.") from None
+
+
+def _check_safetensors_header(path: Path) -> None:
+    """The file starts with a safetensors header (8-byte length, then JSON) whose tensors all lie inside the file."""
+    size = path.stat().st_size
+    why = None
+    with path.open("rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        if size < 8 or length > size - 8:
+            why = f"it has {size} bytes, too few for the {length}-byte header its first 8 bytes announce"
+        else:
+            try:
+                header = json.loads(file.read(length))
+                ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+                if 8 + length + max(ends, default=0) > size:
+                    why = f"its tensors need {8 + length + max(ends)} bytes but it has {size}: it is truncated"
+            except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+                why = f"its header is not a safetensors header ({type(error).__name__}: {error})"
+    if why:
+        raise ValueError(f"{path} is not a complete safetensors file: {why}. The checkpoint is incomplete or damaged; "
+                         "download or save it again.")
 
 
 def pipeline_class_name(index: dict) -> str:
@@ -157,10 +199,7 @@ def read_index(folder: Path) -> dict:
     for name in INDEX_FILES:
         path = Path(folder) / name
         if path.is_file():
-            try:
-                return json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as error:
-                raise ValueError(f"Cannot read {path}: {error}. Save or download the checkpoint again.") from None
+            return _read_json(path)
     raise FileNotFoundError(
         f"{folder} has neither model_index.json nor modular_model_index.json: point at the folder that a "
         f"pipeline's `save_pretrained` wrote, or name a tiny family ({', '.join(families.PIPELINE_FAMILIES)})."

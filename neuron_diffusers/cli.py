@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
+from typing import NoReturn
+
+from .distributed import exit_process
 
 #: "command [subcommand]" -> (module, help).
 COMMANDS = {
@@ -29,6 +33,7 @@ COMMANDS = {
     "bench compile": ("tools.bench.compile", "recompiles over a prompt set, stock vs ours; cold compile times"),
     "bench cfg": ("tools.bench.cfg", "step time of CFG-parallel vs serial CFG on the same ranks; forwards"),
     "bench cache": ("tools.bench.cache", "step time and fraction skipped vs threshold at TP=2, beside no cache"),
+    "bench exit": ("tools.bench.exit", "run the README's first command N times; count failed exits and signals"),
 }
 #: Help for the command groups of two-word commands.
 GROUPS = {"plan": "inspect tensor-parallel plans", "bench": "benchmarks"}
@@ -44,12 +49,35 @@ def positive_int(value: str) -> int:
     return number
 
 
+def finite_float(value: str) -> float:
+    """An argparse type: a number that is neither NaN nor infinite (float() alone accepts "nan" and "inf")."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
+    return number
+
+
+def positive_float(value: str) -> float:
+    """An argparse type: a finite number above 0 (e.g. seconds to wait)."""
+    number = finite_float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {value}")
+    return number
+
+
+class _Parser(argparse.ArgumentParser):
+    """One line for a bad argument (what, and where the help is) instead of the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _module(name: str):
     return importlib.import_module(f"{__package__}.{name}")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="neuron-diffusers",
+    parser = _Parser(prog="neuron-diffusers",
                                      description="Stock Hugging Face Diffusers pipelines, parallel across cores.")
     commands = parser.add_subparsers(dest="command", required=True)
     groups = {}
@@ -66,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command in this process and return its exit status (what tests call)."""
     args = _parser().parse_args(argv)
     command = " ".join(filter(None, (args.command, getattr(args, "subcommand", None))))
     try:
@@ -73,3 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as error:
         print(f"neuron-diffusers {command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def run() -> NoReturn:
+    """The `neuron-diffusers` program (and `python -m neuron_diffusers`): `main`, then an exit that cannot abort in
+    a native thread at interpreter shutdown (see `distributed.exit_process`)."""
+    try:
+        code = main()
+    except SystemExit as leaving:  # argparse's own exits (--help, a bad argument), and SIGTERM (see `job.main`)
+        code = leaving.code if isinstance(leaving.code, int) else int(leaving.code is not None)
+    exit_process(code)

@@ -10,9 +10,12 @@ groups that compute the two branches of true classifier-free guidance side by si
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -191,24 +194,82 @@ def broadcast_object_from_replica_leader(obj, mesh: DeviceMesh):
     return box[0]
 
 
-def broadcast_from_leader(tensors: dict[str, torch.Tensor] | None, group,
+def broadcast_from_leader(tensors: dict[str, torch.Tensor] | BaseException | None, group,
                           device: torch.device) -> dict[str, torch.Tensor]:
     """The group leader's (group rank 0) `tensors`, on `device`, on every rank of `group`.
 
     Only the leader passes `tensors` (the others pass `None`): names, shapes and dtypes go first as one small
-    object, then each tensor in one broadcast on `device`, so the same code serves gloo, NCCL and Neuron.
+    object, then each tensor in one broadcast on `device`, so the same code serves gloo, NCCL and Neuron. A leader
+    that failed to make them passes its exception (picklable) instead, and every rank raises it: the others would
+    otherwise wait for tensors that never come.
     """
     leader = dist.get_global_rank(group, 0)
     is_leader = dist.get_rank() == leader
     if is_leader and tensors is None:
         raise ValueError("The group leader must pass the tensors to broadcast.")
     if dist.get_world_size(group) == 1:
+        if isinstance(tensors, BaseException):
+            raise tensors
         return {name: tensor.to(device) for name, tensor in tensors.items()}
-    specs = [[(name, tuple(t.shape), t.dtype) for name, t in tensors.items()] if is_leader else None]
+    failed = isinstance(tensors, BaseException)
+    specs = [(tensors if failed else [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()])
+             if is_leader else None]
     dist.broadcast_object_list(specs, src=leader, group=group, device=device)
+    if isinstance(specs[0], BaseException):
+        raise tensors if is_leader else specs[0]
     received = {}
     for name, shape, dtype in specs[0]:
         tensor = tensors[name].to(device).contiguous() if is_leader else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(tensor, src=leader, group=group)
         received[name] = tensor
     return received
+
+
+def default_store() -> dist.Store:
+    """The key-value store the process group was started with (torchrun's TCP store, or the in-memory one).
+
+    Torch has no public accessor: `_get_default_store` (a torch private, stable since torch 1.x) is used here only.
+    """
+    return dist.distributed_c10d._get_default_store()
+
+
+def leave_together(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Wait (at most `timeout_s`) until every rank of the world is here, through the store: no collective is in
+    flight on any rank afterwards, so tearing the process group down cannot cut a peer off mid-message.
+
+    Returns False when some rank did not come in time (it failed or died): leaving anyway is then right.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    store = default_store()
+    store.set(f"neuron_diffusers/leave/{dist.get_rank()}", "1")
+    try:
+        store.wait([f"neuron_diffusers/leave/{r}" for r in range(dist.get_world_size())], timedelta(seconds=timeout_s))
+    except dist.DistError:  # a peer is gone (timeout, or its store connection closed)
+        return False
+    return True
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with `code` in a fixed order: process group destroyed, logs and streams flushed, then
+    `os._exit`.
+
+    Why not a normal exit: at interpreter shutdown a native thread of the process group (gloo's workers) can still
+    drop the last reference to a tensor and take the GIL to free its Python object; CPython stops such threads during
+    finalization by unwinding them, which aborts the process ("terminate called without an active exception",
+    SIGABRT; pytorch/pytorch#190489, #179291). Destroying the group while the interpreter is whole, then leaving
+    without finalizing it, leaves no native thread that could run into finalization.
+    """
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as error:  # leaving anyway: report it, keep the exit code
+        print(f"neuron-diffusers: destroying the process group failed: {error}", file=sys.stderr)
+        code = code or 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing left to flush into
+            pass
+    os._exit(code)

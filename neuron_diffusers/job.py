@@ -1,9 +1,11 @@
 """The generation job: many prompts over a ("dp", "tp") mesh, resumable, each output traceable to its settings.
 
 Every check of the user's input happens in `plan_job`, before the process group starts or any weight is read.
-`run_job` then splits the requests over the data-parallel replicas (every core busy), skips outputs that already
-exist (a rerun after a crash resumes), writes each output atomically with its settings in the PNG's text chunks,
-and has rank 0 write `summary.json` (per-image seconds, per-phase timings, the compile report, the mesh).
+`run_job` then splits the requests over the data-parallel replicas (every core busy), skips outputs already made
+with the same settings (a rerun after a crash resumes; `outputs.py` says what "the same" means, and guards the
+folder against a second job), writes each output atomically with its settings in the PNG's text chunks, and has
+rank 0 write `summary.json` (per-image seconds, per-phase timings, the compile report, the mesh). A failure on any
+rank (a full disk while saving, say) ends the job on every rank with the same error; finished outputs stay.
 
 With `--cfg-parallel` a replica is a CFG pair of TP groups (a ("dp", "cfg", "tp") mesh): a request with true CFG
 runs on both groups, one guidance branch each; the requests without it alternate between the two groups, so no
@@ -22,7 +24,10 @@ import argparse
 import json
 import os
 import re
+import shutil
+import signal
 import sys
+import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -35,22 +40,43 @@ from tqdm.auto import tqdm
 
 from . import __version__, tiny
 from .checkpoint import Checkpoint, resolve
-from .cli import positive_int
-from .compile import compile_repeated_blocks, compile_report, compiled_block_classes, resolve_backend, warmup
+from .cli import finite_float, positive_float, positive_int
+from .compile import (
+    compile_repeated_blocks,
+    compile_report,
+    compiled_block_classes,
+    resolve_backend,
+    warmup,
+)
+from .consistency import agree, raise_agreed, shareable
 from .distributed import (
     broadcast_object_from_replica_leader,
     cfg_rank,
     check_cfg_degree,
     check_tp_degree,
+    default_store,
     detect_runtime,
     init_distributed,
     is_main_process,
     is_replica_leader,
     is_tp_leader,
+    leave_together,
 )
-from .media import InputImage, save_json
+from .media import InputImage, remove_stale_temps, save_json
+from .outputs import (
+    JobLock,
+    check_unlocked,
+    digest,
+    key_text,
+    merge_records,
+    model_identity,
+    read_summary_images,
+    scan_outputs,
+    settings_key,
+)
 from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import check_loras, parse_lora_option
+from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs
 from .runner import load_pipeline
 
@@ -58,13 +84,25 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale", "image",
               "mask", "strength"}
+#: The default `--max-pixels`: 2048 x 2048, the most any family here is made for (FLUX.2: 4 megapixels).
+DEFAULT_MAX_PIXELS = 2048 * 2048
+#: What `--out` must not look like: it names a folder, and a file name there is almost always a mistake.
+_FILE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".mp4", ".wav", ".json", ".txt", ".jsonl"}
+#: A store key whose value says which rank failed first: other replicas stop at their next output instead of
+#: finishing their whole share before the job ends.
+_FAILED_KEY = "neuron_diffusers/job/failed"
+
+
+class OutputWriteError(RuntimeError):
+    """An output could not be written (a full disk, a folder that became read-only): the job stops on every rank."""
 
 
 @dataclass(frozen=True)
 class Request:
-    """One output to make: the prompt and every setting that shapes it."""
+    """One output to make: the prompt and every setting that shapes it (every field but `index` is in the output's
+    settings key, see `outputs.settings_key`: a field added later needs a default, or `metadata={"key": False}`)."""
 
-    index: int
+    index: int = field(metadata={"key": False})
     prompt: str
     negative_prompt: str | None
     seed: int
@@ -76,8 +114,9 @@ class Request:
     true_cfg_scale: float | None = None
     #: Input images (several: reference images), an inpainting mask, img2img / inpainting strength; each file with
     #: the sha256 of its bytes, so a request's settings (and resume key) change with the images it reads.
-    images: tuple[InputImage, ...] = ()
-    mask: InputImage | None = None
+    #: The key holds the files' sha256 only: a moved or renamed input still resumes.
+    images: tuple[InputImage, ...] = field(default=(), metadata={"key": lambda images: [i.sha256 for i in images]})
+    mask: InputImage | None = field(default=None, metadata={"key": lambda mask: mask.sha256})
     strength: float | None = None
 
     def image_kwargs(self) -> dict:
@@ -116,6 +155,12 @@ class JobPlan:
     loras: list = field(default_factory=list)
     #: `--cache`: the diffusers step-cache config every rank installs (None: no cache).
     cache: object = None
+    #: Each request's settings key (index -> `outputs.settings_key`), stored inside its output.
+    keys: dict = field(default_factory=dict)
+    #: Indexes of the requests whose outputs exist, complete and made with the same settings.
+    done: frozenset = frozenset()
+    #: The digest of every request's key: what the output folder's lock records.
+    job_digest: str = ""
 
 
 def read_prompt_file(path: Path) -> list[dict]:
@@ -152,6 +197,9 @@ def read_prompt_file(path: Path) -> list[dict]:
                              "set.")
         if unknown:
             raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(JSONL_KEYS)}.")
+        if not isinstance(entry.get("negative_prompt", ""), (str, type(None))):
+            raise ValueError(f"{where}: 'negative_prompt' must be a string (or null), got "
+                             f"{entry['negative_prompt']!r:.60}.")
         entries.append({**entry, **_input_paths(entry, path.parent, where), "_where": where})
     if not entries:
         raise ValueError(f"--prompts {path} holds no prompt: add one per line.")
@@ -173,26 +221,49 @@ def _input_paths(entry: dict, base: Path, where: str) -> dict:
     return paths
 
 
-def _int(entry: dict, key: str, default, minimum: int = 0):
+def _int(entry: dict, key: str, default, minimum: int = 0, maximum: int | None = None):
     value = entry.get(key, default)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
-        raise ValueError(f"{entry['_where']}: '{key}' must be an integer >= {minimum}, got {value!r}.")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+                              or (maximum is not None and value > maximum)):
+        bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{entry['_where']}: '{key}' must be an integer {bound}, got {value!r}.")
     return value
 
 
 def _number(entry: dict, key: str, default):
     value = entry.get(key, default)
-    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-        raise ValueError(f"{entry['_where']}: '{key}' must be a number, got {value!r}.")
+    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
+                              or abs(value) == float("inf")):
+        raise ValueError(f"{entry['_where']}: '{key}' must be a finite number, got {value!r} (NaN or infinity "
+                         "turn every pixel into NaN, a black image).")
     return value
 
 
+def _check_family_keys(entry: dict, adapter) -> None:
+    """Per-line settings the family cannot take, refused with the line (the flags get the same checks in
+    `plan_job`)."""
+    where, distilled = entry["_where"], f"{adapter.pipeline_class} is guidance-distilled"
+    if entry.get("negative_prompt") is not None and not adapter.takes_negative_prompt:
+        raise ValueError(f"{where}: {distilled} and takes no negative prompt: drop 'negative_prompt'.")
+    if "guidance" in entry and adapter.guidance_kwarg is None:
+        raise ValueError(f"{where}: {distilled}: drop 'guidance'.")
+    if "true_cfg_scale" in entry and not adapter.takes_negative_prompt:
+        raise ValueError(f"{where}: {distilled} and has no true CFG: drop 'true_cfg_scale'.")
+    if "true_cfg_scale" in entry and adapter.guidance_kwarg == "true_cfg_scale":
+        raise ValueError(f"{where}: for {adapter.pipeline_class}, 'guidance' sets true_cfg_scale: use 'guidance' "
+                         "instead of 'true_cfg_scale'.")
+
+
 def build_requests(entries: list[dict], *, seed: int, height: int, width: int, steps: int,
-                   guidance: float | None, negative_prompt: str | None, multiple: int,
-                   true_cfg_scale: float | None = None, images: list[Path] = (), mask: Path | None = None,
-                   strength: float | None = None) -> list[Request]:
+                   guidance: float | None, negative_prompt: str | None, limits: SizeLimits, adapter,
+                   true_cfg_scale: float | None = None, max_pixels: int | None = None, images: list[Path] = (),
+                   mask: Path | None = None, strength: float | None = None) -> list[Request]:
     """Requests with the command line's settings as defaults; image `i` without its own seed uses `seed + i`.
-    Each input file is read once, however many requests name it."""
+
+    Every line is checked here, and every error names the line: its text (no lone surrogate, no NUL), the types
+    and ranges of its fields, what the family takes, and its size (`limits`, and `max_pixels`). Each input file is
+    read once, however many requests name it."""
+    check_seeds(seed, len(entries), "--seed")
     requests = []
     read = {}
 
@@ -205,11 +276,15 @@ def build_requests(entries: list[dict], *, seed: int, height: int, width: int, s
     for index, entry in enumerate(entries):
         if not entry["prompt"].strip():
             raise ValueError(f"{entry['_where']}: the prompt is empty. Give the text to generate from.")
+        check_text(entry["prompt"], f"{entry['_where']}: the prompt")
+        if entry.get("negative_prompt") is not None:
+            check_text(entry["negative_prompt"], f"{entry['_where']}: the negative prompt")
+        _check_family_keys(entry, adapter)
         request = Request(
             index=index,
             prompt=entry["prompt"],
             negative_prompt=entry.get("negative_prompt", negative_prompt),
-            seed=_int(entry, "seed", seed + index),
+            seed=_int(entry, "seed", seed + index, maximum=MAX_SEED),
             height=_int(entry, "height", height, 1),
             width=_int(entry, "width", width, 1),
             steps=_int(entry, "steps", steps, 1),
@@ -219,27 +294,45 @@ def build_requests(entries: list[dict], *, seed: int, height: int, width: int, s
             mask=next(iter(inputs(entry.get("mask", [] if mask is None else [mask]))), None),
             strength=_number(entry, "strength", strength),
         )
-        if request.height % multiple or request.width % multiple:
-            raise ValueError(
-                f"{entry['_where']}: {request.height}x{request.width} is not allowed by this model: height and width "
-                f"must be multiples of {multiple} (e.g. {request.height // multiple * multiple or multiple}x"
-                f"{request.width // multiple * multiple or multiple})."
-            )
+        own_size = "height" in entry or "width" in entry
+        limits.check(request.height, request.width, entry["_where"] if own_size else "--height/--width", max_pixels)
         requests.append(request)
     return requests
 
 
+def out_folder(value: str) -> Path:
+    """An argparse type for `--out`: refuses the empty string, which `Path` would silently turn into "."."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty: name the folder to write into, e.g. --out images")
+    return Path(value)
+
+
 def check_out_dir(out_dir: Path) -> None:
-    """The output folder must be creatable and writable; checked before anything starts."""
+    """The output folder must be a folder (or creatable as one) that can really be written; checked before anything
+    starts, by writing and removing a probe: `os.access` says yes to root everywhere, and knows nothing of read-only
+    mounts, /proc or a full disk."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file: --out names a folder to write one file per prompt into.")
+    if not out_dir.exists() and out_dir.suffix.lower() in _FILE_SUFFIXES:
+        raise ValueError(f"--out {out_dir} looks like a file name, but --out names a folder (one file per prompt, "
+                         f"named from its index and prompt, plus summary.json): use --out {out_dir.with_suffix('')}.")
     existing = out_dir if out_dir.exists() else next(p for p in out_dir.parents if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise PermissionError(f"--out {out_dir}: {existing} is not writable. Choose another output folder.")
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".neuron-diffusers-probe-", dir=existing))
+        try:
+            (probe / "probe").write_bytes(b"0")
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    except OSError as error:
+        raise PermissionError(f"--out {out_dir}: cannot write into {existing} ({error.strerror or error}). Choose "
+                              "another output folder.") from None
 
 
 def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dict[str, str]:
-    """The PNG text chunks (MP4 metadata for video): enough to regenerate the output."""
+    """The PNG text chunks (MP4 metadata for video): enough to regenerate the output, and its settings key (what
+    resume compares)."""
     values = {
         "prompt": request.prompt,
         "negative_prompt": request.negative_prompt or "",
@@ -264,7 +357,7 @@ def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dic
         values["mask"] = json.dumps(request.mask.record())
     if request.strength is not None:
         values["strength"] = request.strength
-    return {key: str(value) for key, value in values.items()}
+    return {**{key: str(value) for key, value in values.items()}, **key_text(plan.keys[request.index])}
 
 
 def plan_job(args, world_size: int, device_type: str) -> JobPlan:
@@ -306,7 +399,8 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     requests = build_requests(
         entries, seed=args.seed, height=args.height or default_height, width=args.width or default_width,
         steps=args.steps, guidance=args.guidance, negative_prompt=args.negative_prompt,
-        multiple=adapter.size_multiple(checkpoint), true_cfg_scale=args.true_cfg_scale,
+        limits=adapter.size_limits(checkpoint), adapter=adapter, true_cfg_scale=args.true_cfg_scale,
+        max_pixels=args.max_pixels,
         images=args.image, mask=args.mask, strength=args.strength,
     )
     for request in requests:
@@ -328,9 +422,24 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     check_cfg_degree(pairs, tp, world_size)  # only once pairs are known to be needed: a fallback runs on any world
     check_loras(checkpoint, loras)  # last, the slowest: each file read and checked against the transformer's config
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
+    lora_records = [spec.record() for spec in loras]
+    model = model_identity(checkpoint.source)
+    # The pipeline class when not the index's own (img2img, Kontext...), and the LoRAs by content and scale.
+    own_class = checkpoint.pipeline_class == checkpoint.pipeline_class_name
+    job = {"pipeline": None if own_class else checkpoint.pipeline_class, "cache": args.cache,
+           "loras": [{"sha256": lora["sha256"], "scale": lora["scale"]} for lora in lora_records]}
+    keys = {r.index: settings_key(r, model=model, dtype=dtype, **job) for r in requests}
+    job_digest = digest({"outputs": [digest(keys[r.index]) for r in requests]})
+    check_unlocked(args.out, job_digest)
+    done, broken = scan_outputs({r.index: args.out / r.file_name(adapter.output_suffix) for r in requests}, keys,
+                                adapter.read_settings, overwrite=args.overwrite)
+    if broken:
+        notes.append(f"{len(broken)} incomplete output(s) (empty, truncated or not {adapter.output_suffix}) will be "
+                     f"made again: {', '.join(path.name for path in broken[:5])}{' ...' if len(broken) > 5 else ''}")
     return JobPlan(checkpoint, requests, args.out, tp, world_size, dtype,
                    settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=pairs,
-                   true_cfg=true_cfg, notes=notes, loras=[spec.record() for spec in loras], cache=cache)
+                   true_cfg=true_cfg, notes=notes, keys=keys, done=done, job_digest=job_digest, loras=lora_records,
+                   cache=cache)
 
 
 def _no_pairs_note(adapter, world_size: int, tp: int) -> str:
@@ -380,28 +489,70 @@ def pair_work(requests: list[Request], plan: JobPlan, cfg_rank: int) -> list[tup
 
 def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm: bool, timeout_s: float) -> dict:
     """Generate this process's share of the requests (its replica's, see `pair_work`); rank 0 returns (and writes)
-    the summary."""
+    the summary. Any failure is raised on every rank alike."""
     mesh = init_distributed(tp=plan.tp, cfg=plan.cfg, timeout_s=timeout_s)
+    lock = _lock_out_dir(plan)
+    try:
+        return _run_locked(plan, mesh, overwrite, compile_backend, warm)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_out_dir(plan: JobPlan) -> JobLock | None:
+    """Rank 0 takes the output folder's lock and, holding it, removes what a killed job left; a refusal (another
+    job got there first) is raised on every rank."""
+    lock, error = None, None
+    if is_main_process():
+        try:
+            lock = JobLock(plan.out_dir, plan.job_digest).acquire()
+            stale = remove_stale_temps(plan.out_dir)
+            if stale:
+                print(f"neuron-diffusers generate: note: removed {len(stale)} temporary file(s) a killed job left in "
+                      f"{plan.out_dir}", file=sys.stderr, flush=True)
+        except (ValueError, OSError) as caught:
+            error = shareable(caught)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise box[0]
+    return lock
+
+
+def _run_locked(plan: JobPlan, mesh, overwrite: bool, compile_backend: str | None, warm: bool) -> dict | None:
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     leader = is_tp_leader(mesh)
-    suffix = plan.checkpoint.adapter.output_suffix
     mine = plan.requests[dp_rank::dp]
     # The replica's leader decides what is left to do (the replica writes into one folder) and tells the replica.
     todo = broadcast_object_from_replica_leader(
-        [r for r in mine if overwrite or not (plan.out_dir / r.file_name(suffix)).exists()]
-        if is_replica_leader(mesh) else None, mesh)
+        [r for r in mine if overwrite or r.index not in plan.done] if is_replica_leader(mesh) else None, mesh)
     work = pair_work(todo, plan, cfg_rank(mesh))
 
-    images, phases = [], None
-    if work:  # a fully resumed group loads nothing
-        images, phases = _generate_share(plan, mesh, work, compile_backend, warm, dp)
+    images, phases, error = [], None, None
+    try:
+        if work:  # a fully resumed group loads nothing
+            images, phases = _generate_share(plan, mesh, work, compile_backend, warm, dp)
+    except dist.DistError:  # a peer is gone: nothing left to agree with
+        raise
+    except Exception as caught:
+        error = caught
+        default_store().compare_set(_FAILED_KEY, "", f"rank {dist.get_rank()}: {caught}")  # the first failure wins
+    error = agree(error, dist.group.WORLD)  # every rank ends with the same error, or all go on
+    if is_main_process():
+        default_store().delete_key(_FAILED_KEY)  # every rank is past its last look at it: the next job starts clean
+    if error is not None:
+        raise error
     gathered = [None] * dist.get_world_size() if is_main_process() else None
     dist.gather_object({"images": images, "phases": phases} if leader else None, gathered, dst=0)
-    summary = None
+    summary, error = None, None
     if is_main_process():
         summary = _summary(plan, mesh, gathered, compile_report() if compile_backend else None)
-        save_json(summary, plan.out_dir / "summary.json")
-    dist.barrier()
+        try:
+            save_json(summary, plan.out_dir / "summary.json")
+        except OSError as caught:
+            error = OutputWriteError(f"Cannot write {plan.out_dir / 'summary.json'}: {caught.strerror or caught}. "
+                                     "Every image is written; free space and rerun the same command to rewrite it.")
+    raise_agreed(error, dist.group.WORLD)  # also: no rank leaves before the summary is written
     return summary
 
 
@@ -431,14 +582,27 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
         start = time.perf_counter()
         outputs = pipe.generate(request.prompt, seed=request.seed, negative_prompt=request.negative_prompt,
                                 alone=not with_partner, **request.image_kwargs(), **_call_kwargs(request, pipe.adapter))
+        error = None
         if outputs is not None:  # the rank that holds the image saves it
             save_start = time.perf_counter()
             path = plan.out_dir / request.file_name(pipe.adapter.output_suffix)
-            pipe.adapter.save(outputs[0], path, text=settings_text(request, plan, dp, cfg=2 if with_partner else 1))
-            images.append({**asdict(request), "file": path.name, "seconds": round(time.perf_counter() - start, 4),
-                           "save_seconds": round(time.perf_counter() - save_start, 4), "rank": dist.get_rank(),
-                           "cfg_parallel": with_partner,
-                           **({"cache": pipe.cache_counts[-1]} if pipe.cache is not None else {})})
+            try:
+                pipe.adapter.save(outputs[0], path,
+                                  text=settings_text(request, plan, dp, cfg=2 if with_partner else 1))
+                images.append({**asdict(request), "file": path.name,
+                               "seconds": round(time.perf_counter() - start, 4),
+                               "save_seconds": round(time.perf_counter() - save_start, 4), "rank": dist.get_rank(),
+                               "cfg_parallel": with_partner,
+                               **({"cache": pipe.cache_counts[-1]} if pipe.cache is not None else {})})
+            except OSError as caught:  # media's staged writes leave no partial file behind
+                error = OutputWriteError(
+                    f"Cannot write {path}: {caught.strerror or caught}. The {len(images)} output(s) this group "
+                    "finished before it are complete and kept, and no partial file is left; free space (or fix the "
+                    "folder) and rerun the same command to make the rest.")
+            if error is None and default_store().check([_FAILED_KEY]):
+                error = OutputWriteError(f"Stopped: {default_store().get(_FAILED_KEY).decode()}")
+        # The saving rank decides for the ranks that made the image with it: all go on, or all stop with its error.
+        raise_agreed(error, pipe.mesh["tp"].get_group(), pipe.mesh["cfg"].get_group() if with_partner else None)
         bar.update(1)
     bar.close()
 
@@ -480,8 +644,11 @@ def _phases(pipe, after_warmup: tuple[dict, dict, dict | None], compile_seconds:
 
 
 def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> dict:
+    """This run's records (`generated` counts them) and, under `images`, every output's record: earlier runs' are
+    kept while their files are there."""
     leaders = [entry for entry in gathered if entry is not None]
-    images = sorted((image for entry in leaders for image in entry["images"]), key=lambda image: image["index"])
+    new = sorted((image for entry in leaders for image in entry["images"]), key=lambda image: image["index"])
+    images = merge_records(read_summary_images(plan.out_dir / "summary.json"), new, plan.out_dir)
     return {
         "model": plan.checkpoint.source,
         "checkpoint": str(plan.checkpoint.path),
@@ -490,7 +657,7 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
         "loras": plan.loras,
         "neuron_diffusers": __version__,
         "requests": len(plan.requests),
-        "generated": len(images),
+        "generated": len(new),
         "images": images,
         "phases_per_tp_group": [entry["phases"] for entry in leaders],
         "compile": compile_info,
@@ -530,17 +697,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Qwen-Image-2.1)")
     parser.add_argument("--mask", type=Path, default=None, metavar="PATH",
                         help="inpainting mask (white repaints), the input image's size")
-    parser.add_argument("--strength", type=float, default=None,
+    parser.add_argument("--strength", type=finite_float, default=None,
                         help="img2img / inpainting: how much of the image to repaint, in (0, 1]")
     parser.add_argument("--negative-prompt", default=None,
                         help="for true classifier-free guidance (Qwen-Image, Qwen-Image-2.1; FLUX.1 with "
                              "true_cfg_scale)")
-    parser.add_argument("--out", required=True, type=Path,
+    parser.add_argument("--out", required=True, type=out_folder,
                         help="folder: one PNG per prompt (H3: MP4 + WAV), named from its index and prompt, "
                              "+ summary.json")
     parser.add_argument("--overwrite", action="store_true",
-                        help="regenerate outputs that already exist (default: skip)")
-    parser.add_argument("--guidance", type=float, default=None,
+                        help="regenerate outputs that already exist (default: skip those made with the same settings, "
+                             "refuse those made with other settings)")
+    parser.add_argument("--guidance", type=finite_float, default=None,
                         help="guidance scale (FLUX: guidance_scale; Qwen-Image / 2.1: true_cfg_scale)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp", type=positive_int, default=None,
@@ -549,18 +717,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="true CFG (negative prompt, scale > 1): compute cond and uncond on two TP groups at once; "
                              "needs a multiple of 2 x tp ranks. Requests without true CFG use the pairs as data "
                              "parallelism")
-    parser.add_argument("--true-cfg-scale", type=float, default=None,
+    parser.add_argument("--true-cfg-scale", type=finite_float, default=None,
                         help="FLUX.1's true CFG scale (with --negative-prompt); Qwen-Image / 2.1 take it from "
                              "--guidance")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
+    parser.add_argument("--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS,
+                        help=f"refuse images larger than this many pixels (default {DEFAULT_MAX_PIXELS}, 2048 x 2048); "
+                             "the model's own maximum size applies in any case")
     parser.add_argument("--steps", type=positive_int, default=4)
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="default: bfloat16 on an accelerator, float32 on CPU")
     parser.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
                         help="a LoRA (.safetensors file, a folder holding one, or a Hub id) fused into every rank's "
                              "shard at SCALE (default 1); repeat for several. One set for the whole job")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds any collective may wait")
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds any collective may wait")
     parser.add_argument("--compile", nargs="?", const="auto", default=None, metavar="BACKEND",
                         help="compile the transformer's repeated blocks (default backend: neuron if present, else "
                              "inductor)")
@@ -582,15 +753,20 @@ def main(args: argparse.Namespace) -> int:
     if runtime.rank == 0:
         for note in plan.notes:
             print(f"neuron-diffusers generate: note: {note}", file=sys.stderr, flush=True)
+    # torchrun stops its workers with SIGTERM: leave through Python (temporary files and the folder lock cleaned up
+    # on the way out) instead of dying wherever the signal lands.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         summary = run_job(plan, overwrite=args.overwrite, compile_backend=args.compile, warm=args.warmup,
                           timeout_s=args.timeout)
     except (RuntimeError, dist.DistError) as error:
-        # Most often another rank died and a collective failed or timed out: what was written is complete
-        # (atomic writes), and the same command resumes.
+        # Another rank died and a collective failed or timed out, or an output could not be written (the same
+        # error on every rank): what was written is complete (atomic writes), and the same command resumes.
         print(f"neuron-diffusers generate: error on rank {runtime.rank}: {error}\nOutputs written so far are "
               "complete; rerun the same command to generate the rest.", file=sys.stderr, flush=True)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if summary is not None:
         print(format_phases(summary))
         if summary["compile"]:
@@ -599,8 +775,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {summary['generated']} of {summary['requests']} to {plan.out_dir} "
               f"(tp={plan.tp}, cfg={plan.cfg}, dp={plan.world_size // (plan.tp * plan.cfg)}, {plan.dtype}); "
               "summary.json", flush=True)
-    # Leave together: a rank tearing gloo down while its peer has already exited was seen to abort (SIGABRT,
-    # "terminate called without an active exception") after a finished job, and torchrun then reports a failure.
-    dist.barrier()
+    # The fixed shutdown order (with `cli.run`'s exit after it, see `distributed.exit_process`): every rank past its
+    # last collective, then the process group destroyed while the interpreter is whole.
+    leave_together(args.timeout)
     dist.destroy_process_group()
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)

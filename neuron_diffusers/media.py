@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import re
 import secrets
 import wave
 from collections.abc import Iterator, Mapping, Sequence
@@ -48,6 +49,24 @@ class VideoWithAudio:
     sampling_rate: int | None = None
 
 
+#: How `_staged` names its temporary files: `.<name>.<8 hex digits>.tmp` beside the destination.
+_TEMP_NAME = re.compile(r"\..+\.[0-9a-f]{8}\.tmp")
+
+
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Delete the temporary files a killed writer left in `folder` (a SIGKILL, or a SIGTERM during a save, gives it no
+    chance to clean up); returns them. Only a job that holds the folder's lock may call this: a live writer's
+    temporary file looks the same."""
+    stale = [path for path in folder.glob(".*.tmp") if _TEMP_NAME.fullmatch(path.name) and path.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 @contextmanager
 def _staged(paths: Sequence[Path]) -> Iterator[list[Path]]:
     """Yield one empty temporary file beside each of `paths`; on success rename each into place.
@@ -60,7 +79,7 @@ def _staged(paths: Sequence[Path]) -> Iterator[list[Path]]:
     try:
         for path in paths:
             path.parent.mkdir(parents=True, exist_ok=True)
-            temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+            temp = _temp_path(path)
             # Not tempfile: its files are private (0600), and the renamed file would stay so. O_EXCL
             # with mode 0666 gives the permissions a plain open() would (the umask applies).
             os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
@@ -87,6 +106,37 @@ def save_png(image: PIL.Image.Image, path: str | os.PathLike[str], text: Mapping
     with _staged([path]) as (temp,):
         image.save(temp, format="PNG", pnginfo=info)
     return path
+
+
+def read_png_text(path: str | os.PathLike[str]) -> dict[str, str] | None:
+    """The text chunks of the PNG at `path`, or None when it is not a complete PNG (missing, a folder, empty,
+    truncated, garbage): every chunk's checksum is verified, which reads the file once without decoding pixels."""
+    try:
+        with PIL.Image.open(path) as image:
+            image.verify()
+            # `save_png` writes its text chunks before the image data, where opening the file already reads them.
+            return {key: value for key, value in image.info.items() if isinstance(value, str)}
+    except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError):  # what PIL raises for bad files
+        return None
+
+
+def read_video_text(path: str | os.PathLike[str], audio: bool = True) -> dict[str, str] | None:
+    """The metadata `save_video` wrote into the MP4 at `path`, or None when it is not a playable MP4 with a video
+    stream (missing, a folder, empty, truncated, garbage), or, with `audio`, when the WAV beside it is not complete."""
+    import av  # imported here so that importing this module stays cheap
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                return None
+            metadata = dict(container.metadata)
+        if audio:
+            with wave.open(str(Path(path).with_suffix(".wav"))) as wav:
+                if wav.getnframes() == 0:
+                    return None
+        return metadata
+    except (OSError, EOFError, av.FFmpegError, wave.Error, ValueError):
+        return None
 
 
 def save_json(data: Mapping, path: str | os.PathLike[str]) -> Path:

@@ -31,7 +31,7 @@ from diffusers import TensorParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
 from .checkpoint import Checkpoint, resolve
-from .consistency import LatentAgreement
+from .consistency import ENTRY_TIMEOUT_S, CallEntry, LatentAgreement, agree, raise_agreed, shareable
 from .distributed import (
     broadcast_from_leader,
     cfg_rank,
@@ -46,6 +46,7 @@ from .parallel.cache import GroupCache, check_cache, enable_group_cache, group_c
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
 from .parallel.lora import FusedLoras, check_loras
 from .pipelines import PipelineAdapter
+from .pipelines.base import SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs, reads_image, shared_image_inputs, vae_without_coders
 from .timing import PhaseTimes
 
@@ -63,6 +64,8 @@ _OWNED_KWARGS = {
                                     "`generate` encodes the prompt first (on the leader only). Upsample it "
                                     "beforehand (stock `Flux2Pipeline.upsample_prompt`, in one process) and pass the "
                                     "result as the prompt",
+    "return_dict": "`generate` returns the outputs themselves, one per prompt",
+    "output": "`generate` returns the outputs themselves (MiniMax-H3: a `VideoWithAudio` per prompt)",
 }
 
 
@@ -90,6 +93,10 @@ class TPPipeline:
     #: With a step cache: per image this rank denoised, its transformer forwards computed and served from the cache
     #: (`{"computed", "cached", "by_context"}`; with CFG parallelism both branches', summed over the pair).
     cache_counts: list = field(default_factory=list)
+    #: The sizes the checkpoint can make (`height` / `width` are checked against it before a call does anything).
+    size_limits: SizeLimits | None = None
+    #: Seconds a rank waits in `generate` for the rest of its group to make the same call (`consistency.CallEntry`).
+    entry_timeout_s: float = ENTRY_TIMEOUT_S
 
     def __post_init__(self):
         self.times.time_module(self.adapter.transformer_of(self.pipe), "transformer forward")
@@ -127,8 +134,13 @@ class TPPipeline:
     ) -> list | None:
         """One image (H3: a `VideoWithAudio`) per prompt, on one rank of the replica; `None` on its other ranks.
 
-        Every rank of the replica must call this with the same arguments. Image `i` is denoised from a CPU generator
-        seeded with `seed + i`, identical on every rank whatever its device; the group's latents are compared at
+        Every rank of the replica must call this with the same arguments: a rank that does not make the call within
+        `entry_timeout_s` is named in a `GroupOutOfStepError` on the others, and so are arguments that differ. Every
+        check of the arguments runs on every rank, and a failure on one rank (the leader encodes and decodes) is
+        raised on all of them: every rank raises the same exception, and the group stays usable for the next call.
+
+        Image `i` is denoised from a CPU generator seeded with `seed + i`, identical on every rank whatever its
+        device; the group's latents are compared at
         the first and last step (and every `check_latents_every` steps), raising `LatentsDivergedError` on every
         rank if they differ. `pipeline_kwargs` go to the stock pipeline call (height, width, num_inference_steps,
         guidance_scale, true_cfg_scale, ...).
@@ -147,13 +159,14 @@ class TPPipeline:
         anything runs: a class that takes none of them, one that needs an image, a mask of another size, a
         strength outside (0, 1].
         """
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        negatives = self._negatives(negative_prompt, len(prompts))
-        for name, why in _OWNED_KWARGS.items():
-            if name in pipeline_kwargs:
-                raise ValueError(f"`generate` does not take `{name}`: {why}.")
-        image_kwargs = check_image_kwargs(self.adapter, image, mask_image, strength)
         pair = cfg_size(self.mesh) > 1 and not alone
+        replica = self.mesh["cfg", "tp"] if pair else self.mesh["tp"]
+        CallEntry(replica.mesh.flatten().tolist(), "generate", self.entry_timeout_s).enter(
+            [self.adapter.pipeline_class, prompts, seed, negative_prompt, check_latents_every, alone, image,
+             mask_image, strength, pipeline_kwargs])
+        prompts = self._check_call(prompts, seed, pipeline_kwargs)
+        negatives = self._negatives(negative_prompt, len(prompts))
+        image_kwargs = check_image_kwargs(self.adapter, image, mask_image, strength)
         joint = pair and self.adapter.uses_true_cfg(negatives[0], pipeline_kwargs)
         if joint:
             _check_cfg_parallel_kwargs(self.adapter, pipeline_kwargs)
@@ -161,16 +174,58 @@ class TPPipeline:
         encode_kwargs = {k: pipeline_kwargs[k] for k in self.adapter.encode_kwargs if k in pipeline_kwargs}
         # A vision-language encoder that reads the image encodes inside the call, where the pipeline resized it.
         in_call = bool(image_kwargs) and reads_image(self.adapter.pipeline_cls())
-        outputs = {}
-        for index in mine:
-            with self.times.phase("encode"):
-                embeds = (_prompt_strings(prompts[index], negatives[index]) if in_call
-                          else self._encode(prompts[index], negatives[index], encode_kwargs))
-            outputs[index] = self._denoise(embeds, seed + index, joint, check_latents_every,
-                                           {**pipeline_kwargs, **image_kwargs}, image_kwargs, in_call)
+        outputs, error = {}, None
+        try:
+            for index in mine:
+                outputs[index] = self._make(prompts[index], negatives[index], encode_kwargs, seed + index, joint,
+                                            check_latents_every, pipeline_kwargs, image_kwargs, in_call)
+        except dist.DistError:  # a peer is gone: no agreement is possible, the group is dead
+            raise
+        except Exception as caught:
+            error = caught
+        if pair and not joint:  # the two groups made different images: the pair agrees before it exchanges them
+            error = agree(error, self.mesh["cfg"].get_group())
+        if error is not None:
+            raise error
         if not pair:
             return [outputs[i] for i in range(len(prompts))] if self.is_leader else None
         return self._collect_pair(outputs, len(prompts), joint)
+
+    def _check_call(self, prompts, seed, pipeline_kwargs: dict) -> list[str]:
+        """Every check of a call's own arguments; it runs on every rank alike, so every rank raises the same error."""
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"`prompts` must be a string or a non-empty list of strings, got {prompts!r:.80}.")
+        for index, prompt in enumerate(prompts):
+            check_text(prompt, f"prompt {index}")
+        check_seeds(seed, len(prompts), "`seed`")
+        for name, why in _OWNED_KWARGS.items():
+            if name in pipeline_kwargs:
+                raise ValueError(f"`generate` does not take `{name}`: {why}.")
+        self.adapter.check_call_kwargs(pipeline_kwargs)
+        if self.size_limits is not None and {"height", "width"} & pipeline_kwargs.keys():
+            # A side left out takes the pipeline's default; the smallest valid side stands in for it here.
+            smallest = self.size_limits.multiple
+            self.size_limits.check(pipeline_kwargs.get("height", smallest), pipeline_kwargs.get("width", smallest),
+                                   "`generate`")
+        return list(prompts)
+
+    def _make(self, prompt: str, negative: str | None, encode_kwargs: dict, seed: int, joint: bool,
+              check_latents_every: int | None, pipeline_kwargs: dict, image_kwargs: dict, in_call: bool):
+        """Encode and denoise one image; whatever fails on some rank of the group making it fails on all of them."""
+        output, error = None, None
+        try:
+            with self.times.phase("encode"):
+                embeds = (_prompt_strings(prompt, negative) if in_call
+                          else self._encode(prompt, negative, encode_kwargs))
+            output = self._denoise(embeds, seed, joint, check_latents_every, {**pipeline_kwargs, **image_kwargs},
+                                   image_kwargs, in_call)
+        except dist.DistError:
+            raise
+        except Exception as caught:
+            error = caught
+        raise_agreed(error, self.mesh["tp"].get_group(), self.mesh["cfg"].get_group() if joint else None)
+        return output
 
     def _denoise(self, embeds: dict, seed: int, joint: bool, check_latents_every: int | None, pipeline_kwargs: dict,
                  image_kwargs: dict, in_call: bool):
@@ -220,9 +275,13 @@ class TPPipeline:
                 f"{self.adapter.pipeline_class} is guidance-distilled and takes no negative prompt: drop "
                 "`negative_prompt`."
             )
+        if not isinstance(negative_prompt, (str, list, tuple)):
+            raise ValueError(f"`negative_prompt` must be a string or a list of strings, got {negative_prompt!r:.80}.")
         negatives = [negative_prompt] * count if isinstance(negative_prompt, str) else list(negative_prompt)
         if len(negatives) != count:
             raise ValueError(f"Got {len(negatives)} negative prompts for {count} prompts: give one, or one per prompt.")
+        for index, negative in enumerate(negatives):
+            check_text(negative, f"negative prompt {index}")
         return negatives
 
     def _encode(self, prompt: str, negative: str | None, encode_kwargs: dict) -> dict[str, torch.Tensor]:
@@ -236,9 +295,12 @@ class TPPipeline:
         """
         embeds = None
         if self.is_leader:
-            with torch.no_grad():
-                embeds = self.adapter.pad(self.adapter.encode(self.encoder, prompt, negative, **encode_kwargs),
-                                          self.buckets)
+            try:
+                with torch.no_grad():
+                    embeds = self.adapter.pad(self.adapter.encode(self.encoder, prompt, negative, **encode_kwargs),
+                                              self.buckets)
+            except Exception as error:  # too long for the largest bucket, a tokenizer error: every rank raises it
+                embeds = shareable(error)
         tp_mesh = self.mesh["tp"]
         return broadcast_from_leader(embeds, tp_mesh.get_group(), mesh_device(tp_mesh))
 
@@ -325,8 +387,13 @@ def load_pipeline(
             follower_vae = functools.cache(functools.partial(vae_without_coders, checkpoint, dtype))
     # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
     pipe.set_progress_bar_config(disable=rank() != 0)
+    # The leader loads more (text encoder, VAE) than the others: the group leaves together, so the first call's
+    # entry handshake measures how late a rank is to the call, not to the end of loading. (The TP group only: a job
+    # gives a CFG pair's second group nothing to load when every request it has left is made by the first.)
+    CallEntry(tp_mesh.mesh.flatten().tolist(), "load_pipeline", timeout_s=None).enter(
+        [checkpoint.source, str(torch_dtype)])
     pipeline = TPPipeline(adapter, pipe, encoder, mesh, adapter.buckets if buckets is None else tuple(buckets), times,
-                          follower_vae=follower_vae)
+                          follower_vae=follower_vae, size_limits=adapter.size_limits(checkpoint))
     if loras:
         with times.phase("fuse LoRAs"):
             pipeline.set_loras(loras)

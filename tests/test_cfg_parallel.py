@@ -16,7 +16,9 @@ import rank_jobs
 import torch
 
 from neuron_diffusers import tiny
+from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.job import pair_work, plan_job
+from neuron_diffusers.runner import _check_cfg_parallel_kwargs
 from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 FAMILIES = ("qwenimage", "qwenimage21", "flux")
@@ -119,7 +121,10 @@ def test_cfg_pair_matches_stock_with_half_the_forwards(checkpoints, references, 
 
     for report in (leader, partner):
         assert "holds different `hidden_states`" in report["divergence"] and "seed" in report["divergence"]
-        assert "IP-Adapter" in report["ip_adapter"]
+        # Qwen-Image has no IP-Adapter: refused on both ranks as an unknown keyword, before anything runs.
+        assert "QwenImagePipeline takes no 'ip_adapter_image'" in report["ip_adapter"]
+    with pytest.raises(ValueError, match="CFG parallelism does not run FLUX's IP-Adapter"):
+        _check_cfg_parallel_kwargs(resolve("flux").adapter, {"ip_adapter_image": object()})  # FLUX.1's, true CFG
 
     for rank, report in enumerate((leader, partner)):
         proxy = report["proxy"]

@@ -85,6 +85,8 @@ def test_followers_hold_no_vae_weights_nor_encoder_and_the_pipeline_is_restored(
 
 
 def test_a_rank_given_another_image_fails_on_every_rank(reports):
+    entry_errors = [report["diverged"].get("entry_error", "") for report in reports]
+    assert entry_errors[0] == entry_errors[1] and "called `generate` with different arguments" in entry_errors[0]
     errors = [report["diverged"].get("error", "") for report in reports]
     assert all(error.startswith("ImageInputsDivergedError") for error in errors), errors
     assert all("image the VAE encodes" in error and "rank(s) [1]" in error for error in errors)

@@ -12,6 +12,8 @@ def test_every_private_name_patches_relies_on_exists():
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in patches.PRIVATE_NAMES
                if not hasattr(owner, name)]
     assert missing == []
+    for module, name in patches.LAZY_PRIVATE_NAMES:
+        assert patches.internal(module, name) is not None
     # The class attributes stock reads plans and repeated blocks from, on every family's transformer.
     for family in families.FAMILIES:
         cls = family.model_class()

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..consistency import checksum
+from ..consistency import fingerprint
 
 #: The branch each CFG rank computes, named as the pipelines name their `cache_context`s.
 BRANCHES = ("cond", "uncond")
@@ -90,20 +90,6 @@ def exchange(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return [full[tuple(slice(0, n) for n in s)] for full, s in zip(gathered, shapes, strict=True)]
 
 
-def _digest(value):
-    """A picklable fingerprint of one call input: tensors by shape, dtype and checksum; plain data as itself;
-    other objects (Qwen-Image-2.1's KV cache container) by type, since each rank holds its own."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype), checksum([value]).tolist() if value.numel() else [])
-    if isinstance(value, dict):
-        return {str(key): _digest(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_digest(item) for item in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return type(value).__name__
-
-
 def _same(a, b, rtol: float = 1e-5) -> bool:
     """Two digests match: tensors of equal shape and dtype whose checksums agree up to float32 summation order."""
     if isinstance(a, tuple) and isinstance(b, tuple) and a[:1] == b[:1] == ("tensor",):
@@ -119,8 +105,8 @@ def _same(a, b, rtol: float = 1e-5) -> bool:
 
 
 def _inputs_digest(args: tuple, kwargs: dict) -> dict:
-    return {**{f"positional argument {i}": _digest(a) for i, a in enumerate(args)},
-            **{name: _digest(value) for name, value in kwargs.items()}}
+    return {**{f"positional argument {i}": fingerprint(a) for i, a in enumerate(args)},
+            **{name: fingerprint(value) for name, value in kwargs.items()}}
 
 
 # Inputs that carry the latents: they must be equal on both ranks of the pair in both calls.

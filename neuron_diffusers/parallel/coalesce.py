@@ -302,7 +302,7 @@ def _hoisted_forward(self, input: torch.Tensor) -> torch.Tensor:
             f"when '{hoist.source}' runs inside the model's forward, so it cannot be called on its own. Call the "
             "whole model, or plan it with GatheredColwiseParallel() (no hoist_from)."
         )
-    if not torch.compiler.is_compiling() and not torch.equal(input, hoist.input):  # shape included
+    if not torch.compiler.is_compiling() and not _same_values(input, hoist.input):
         if not hoist.warned:
             logger.warning(
                 "%s's input is not silu(%s output) as its plan declares: computing it with its own all-gather "
@@ -312,6 +312,14 @@ def _hoisted_forward(self, input: torch.Tensor) -> torch.Tensor:
             hoist.warned = True
         return gather_columns([_local_linear(self, input)], hoist.mesh)[0]
     return hoist.output
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and values, NaN equal to NaN: NaN weights make both inputs NaN in the same places, which is the
+    latent check's to report (`NonFiniteLatentsError`), not a plan mistake."""
+    if torch.equal(a, b):  # shape included
+        return True
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _clear_hoisted(module, args, output, *, linears: list):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 from collections import OrderedDict
 
 import diffusers
@@ -126,6 +127,25 @@ PRIVATE_INSTANCE_ATTRIBUTES = (
     (mag_cache.MagCacheState, "should_compute"),
     (_module_with_hook_registry, "_diffusers_hook"),  # where a module's HookRegistry lives
 )
+
+#: Internals the pipeline adapters read to find the largest size a model can make (`PipelineAdapter.size_limits`):
+#: the stock pipelines' own timestep-shift functions and the Qwen rotary tables. Imported on first use through
+#: `internal`, not with this module: the pipeline modules import whole text-encoder families.
+LAZY_PRIVATE_NAMES = (
+    ("diffusers.pipelines.flux.pipeline_flux", "calculate_shift"),
+    ("diffusers.pipelines.qwenimage.pipeline_qwenimage", "calculate_shift"),
+    ("diffusers.pipelines.qwenimage21.pipeline_qwenimage21", "calculate_shift"),
+    ("diffusers.pipelines.flux2.pipeline_flux2", "compute_empirical_mu"),
+    ("diffusers.models.transformers.transformer_qwenimage", "QwenEmbedRope"),
+)
+
+
+def internal(module: str, name: str):
+    """The diffusers internal `module.name`, which must be listed in `LAZY_PRIVATE_NAMES` (so the list stays true)."""
+    if (module, name) not in LAZY_PRIVATE_NAMES:
+        raise KeyError(f"{module}.{name} is not in patches.LAZY_PRIVATE_NAMES: list it there and in "
+                       "docs/architecture.md before reading it.")
+    return getattr(importlib.import_module(module), name)
 
 
 def _default_tp_device_type() -> str:

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import diffusers
 import torch
 import torch.nn.functional as F
 
-from ..media import save_png
+from ..media import read_png_text, save_png
 
 if TYPE_CHECKING:  # the checkpoint module looks adapters up through `families`, which imports this one
     from ..checkpoint import Checkpoint
@@ -29,6 +33,84 @@ if TYPE_CHECKING:  # the checkpoint module looks adapters up through `families`,
 
 #: What every rank's pipeline holds around the sharded transformer; every other component is the encoder's.
 DENOISER_COMPONENTS = ("transformer", "vae", "scheduler")
+
+#: The largest seed: `torch.Generator.manual_seed` takes unsigned 64-bit integers.
+MAX_SEED = 2**64 - 1
+#: `math.exp` overflows above this: the largest `mu` an exponential timestep shift survives.
+_LARGEST_EXPONENT = math.log(sys.float_info.max)
+
+
+def check_text(text, what: str) -> None:
+    """`text` is a string that can be tokenized and written into a PNG text chunk: no lone surrogate (what Python
+    makes of bytes that are not UTF-8, or of a JSON escape such as "\\ud800"), no NUL character."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be a string, got {type(text).__name__} {text!r:.60}.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} holds a lone surrogate {text[error.start]!r} at character {error.start}, which is "
+                         "not text (often bytes that are not UTF-8): fix the encoding of the prompt.") from None
+    if "\x00" in text:
+        raise ValueError(f"{what} holds a NUL character at character {text.index(chr(0))}: remove it (no tokenizer "
+                         "needs it, and PNG text chunks cannot hold it).")
+
+
+def check_seeds(seed, count: int, what: str) -> None:
+    """Seeds `seed` .. `seed + count - 1` are all valid generator seeds (0 .. 2**64 - 1)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0 or seed + count - 1 > MAX_SEED:
+        last = f" (and seed + {count - 1} for the last of {count} images)" if count > 1 else ""
+        raise ValueError(f"{what} must be an integer from 0 to 2**64 - 1{last}, got {seed!r}: a generator seed is an "
+                         "unsigned 64-bit number.")
+
+
+def check_finite(value, what: str) -> None:
+    """No NaN or infinity in `value` (a number, or numbers in lists, tuples and dicts): it would make every pixel NaN,
+    a black image, without any error from the pipeline."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} is {value}: it must be a finite number (NaN or infinity turn every pixel into NaN, "
+                         "a black image).")
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_finite(item, f"{what}[{index}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_finite(item, f"{what}[{key!r}]")
+
+
+@dataclass(frozen=True)
+class SizeLimits:
+    """What height and width may be for one checkpoint: multiples of `multiple`; at most `max_side` per side (the
+    positions the transformer can place) and `max_pixels` in all (what the pipeline's schedule survives), each with
+    the reason in words."""
+
+    multiple: int
+    max_side: int | None = None
+    side_reason: str = ""
+    max_pixels: int | None = None
+    pixels_reason: str = ""
+
+    def check(self, height, width, where: str, pixel_cap: int | None = None) -> None:
+        """Raise a `ValueError` starting with `where` for a size this model cannot (or, above `pixel_cap`, should
+        not) make."""
+        for name, value in (("height", height), ("width", width)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}.")
+        multiple = self.multiple
+        if height % multiple or width % multiple:
+            nearest = [value // multiple * multiple or multiple for value in (height, width)]
+            raise ValueError(f"{where}: {height}x{width} is not allowed by this model: height and width must be "
+                             f"multiples of {multiple} (e.g. {nearest[0]}x{nearest[1]}).")
+        if self.max_side is not None and max(height, width) > self.max_side:
+            raise ValueError(f"{where}: {height}x{width} is larger than this model can place: {self.side_reason}, so "
+                             f"height and width must be at most {self.max_side}.")
+        if self.max_pixels is not None and height * width > self.max_pixels:
+            raise ValueError(f"{where}: {height}x{width} is larger than this model's pipeline can run: "
+                             f"{self.pixels_reason}, so height x width must be at most {self.max_pixels} pixels.")
+        if pixel_cap is not None and height * width > pixel_cap:
+            raise ValueError(
+                f"{where}: {height}x{width} is {height * width} pixels, above the cap of {pixel_cap} (--max-pixels): "
+                "memory and time grow with the square of the pixel count. Raise --max-pixels to make it anyway."
+            )
 
 
 class PipelineAdapter:
@@ -108,6 +190,42 @@ class PipelineAdapter:
         """What height and width must be multiples of."""
         raise NotImplementedError
 
+    def size_limits(self, checkpoint: Checkpoint) -> SizeLimits:
+        """The sizes this checkpoint can make (read from its configs, no weights)."""
+        return SizeLimits(self.size_multiple(checkpoint), *self.max_side(checkpoint), *self.max_pixels(checkpoint))
+
+    def max_side(self, checkpoint: Checkpoint) -> tuple[int | None, str]:
+        """The largest height or width whose positions the transformer can encode, and why (None: no table limits
+        it; FLUX.1, FLUX.2 and MiniMax-H3 compute their rotary angles for any position)."""
+        return None, ""
+
+    def max_pixels(self, checkpoint: Checkpoint) -> tuple[int | None, str]:
+        """The largest height x width the pipeline's sequence-length schedule survives, and why (None: no limit)."""
+        return None, ""
+
+    #: The `output_type` values a call may pass (empty: the adapter's output has no such option).
+    output_types: tuple[str, ...] = ()
+
+    def check_call_kwargs(self, kwargs: dict) -> None:
+        """Refuse, before anything runs, call kwargs the pipeline would reject on some ranks only (or not at all):
+        unknown names, an unknown `output_type`, NaN or infinite numbers."""
+        accepted = self.call_parameters()  # empty for a modular pipeline: it takes any keyword
+        unknown = sorted(set(kwargs) - accepted) if accepted else []
+        if unknown:
+            raise ValueError(f"{self.pipeline_class} takes no {', '.join(map(repr, unknown))}: its call accepts "
+                             f"{', '.join(sorted(accepted - {'self', 'kwargs'}))}.")
+        if "output_type" in kwargs and kwargs["output_type"] not in self.output_types:
+            raise ValueError(f"output_type={kwargs['output_type']!r} is not an output of {self.pipeline_class}: "
+                             + (f"choose one of {', '.join(map(repr, self.output_types))}." if self.output_types
+                                else "drop it."))
+        for name, value in kwargs.items():
+            check_finite(value, name)
+
+    def read_settings(self, path) -> dict[str, str] | None:
+        """The settings stored inside an output this adapter saved, or None when the file is not a complete output
+        (missing, empty, truncated, garbage, or a folder)."""
+        return read_png_text(path)
+
     def transformer_of(self, pipe) -> torch.nn.Module:
         return pipe.transformer
 
@@ -157,6 +275,7 @@ class StockPipelineAdapter(PipelineAdapter):
     def lora_loader(self):
         """The stock pipeline class itself: each family's pipeline mixes in its `*LoraLoaderMixin`."""
         return self.pipeline_cls()
+
     def call_parameters(self) -> frozenset[str]:
         return frozenset(inspect.signature(self.pipeline_cls().__call__).parameters)
 
@@ -182,9 +301,54 @@ class StockPipelineAdapter(PipelineAdapter):
     def load_stock(self, checkpoint: Checkpoint, **kwargs):
         return self.pipeline_cls().from_pretrained(checkpoint.path, **kwargs)
 
+    output_types = ("pil", "np", "pt", "latent")
+
     def size_multiple(self, checkpoint: Checkpoint) -> int:
         """What height and width must be multiples of: the VAE's downsampling times the 2x2 latent packing."""
         return self.vae_scale_factor(checkpoint.config("vae")) * 2
+
+    def pixels_per_token(self, checkpoint: Checkpoint) -> int:
+        """The side of the pixel square one latent token covers (the 2x2 packing included)."""
+        return self.size_multiple(checkpoint)
+
+    def dynamic_shift_config(self, checkpoint: Checkpoint):
+        """The scheduler's full config (its class fills in the defaults) when it shifts timesteps by `exp(mu)`."""
+        scheduler_class = getattr(diffusers, checkpoint.index["scheduler"][1])
+        config = scheduler_class.from_config(checkpoint.config("scheduler", "scheduler_config.json")).config
+        if not config.get("use_dynamic_shifting") or config.get("time_shift_type", "exponential") != "exponential":
+            return None
+        return config
+
+    def own_module(self) -> str:
+        """The module of the family's own text-to-image class: its image classes (img2img, inpainting, Kontext, edits)
+        shift timesteps with a copy of its function (diffusers' "Copied from"), so the limits found there are theirs."""
+        return getattr(diffusers, type(self).pipeline_class).__module__
+
+    def shift_mu(self, checkpoint: Checkpoint) -> Callable[[int], float] | None:
+        """`mu` as a function of the image's latent tokens, computed by the stock pipeline module's own
+        `calculate_shift` from the scheduler's config; None when the scheduler does not shift by `exp(mu)`."""
+        config = self.dynamic_shift_config(checkpoint)
+        if config is None:
+            return None
+        from ..parallel import patches  # here: patches imports `families`, which imports this module
+
+        calculate_shift = patches.internal(self.own_module(), "calculate_shift")
+        names = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+        return lambda tokens: calculate_shift(tokens, *(config[name] for name in names))
+
+    def max_pixels(self, checkpoint: Checkpoint) -> tuple[int | None, str]:
+        """Where the timestep shift `exp(mu)` overflows: `mu` grows linearly with the latent tokens, and past that
+        point the scheduler fails with `OverflowError: math range error` after the model has loaded."""
+        mu = self.shift_mu(checkpoint)
+        if mu is None:
+            return None, ""
+        low, high = 1, 2**48  # the largest token count whose mu is still representable, by bisection
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if mu(middle) <= _LARGEST_EXPONENT else (low, middle - 1)
+        side = self.pixels_per_token(checkpoint)
+        return low * side * side, (f"its scheduler shifts the timesteps by exp(mu), with mu growing with the latent "
+                                   f"tokens ({side}x{side} pixels each), and exp(mu) overflows above {low} tokens")
 
     def vae_scale_factor(self, vae_config: dict) -> int:
         """As the pipeline's `__init__` computes it (FLUX.1 / FLUX.2: one halving per VAE block after the first)."""

@@ -13,6 +13,16 @@ class Flux2Adapter(StockPipelineAdapter):
     encode_kwargs = ("max_sequence_length", "text_encoder_out_layers")
     takes_negative_prompt = False
 
+    def shift_mu(self, checkpoint):
+        """FLUX.2 computes mu with the pipeline module's empirical fit (`compute_empirical_mu`) instead of the
+        scheduler's config; above 4300 tokens the fit no longer depends on the step count."""
+        if self.dynamic_shift_config(checkpoint) is None:
+            return None
+        from ..parallel import patches  # here: patches imports `families`, which imports this module
+
+        fit = patches.internal(self.own_module(), "compute_empirical_mu")
+        return lambda tokens: fit(tokens, num_steps=1)
+
     def encode(self, encoder, prompt, negative_prompt, **encode_kwargs):
         sequence, _ = encoder.encode_prompt(prompt, device="cpu", **encode_kwargs)
         return {"prompt_embeds": sequence}

@@ -23,7 +23,7 @@ import torch
 from diffusers import ModularPipeline
 from diffusers.modular_pipelines import SequentialPipelineBlocks
 
-from ..media import VideoWithAudio, save_video
+from ..media import VideoWithAudio, read_video_text, save_video
 from .base import PipelineAdapter, bucket_for
 
 if TYPE_CHECKING:
@@ -106,6 +106,10 @@ class MiniMaxH3Adapter(PipelineAdapter):
     def save(self, output: VideoWithAudio, path, text: dict[str, str]) -> list:
         """An MP4 (H.264 + AAC, settings in its metadata) and the untouched audio as a WAV beside it."""
         return save_video(output, path, text=text)
+
+    def read_settings(self, path) -> dict[str, str] | None:
+        """The MP4's metadata, when the MP4 and the WAV beside it are both complete."""
+        return read_video_text(path, audio=True)
 
     def load_denoiser(self, checkpoint: Checkpoint, transformer, torch_dtype, device: torch.device, decodes: bool):
         denoiser = _sub_pipeline(checkpoint, "denoise")

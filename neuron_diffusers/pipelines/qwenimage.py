@@ -7,6 +7,8 @@ every prompt of a bucket shares one compiled graph. Prompts are encoded (and tru
 `max_sequence_length=1024`, the most stock accepts, so the pipeline keeps the padding it would otherwise slice off.
 """
 
+import torch
+
 from .base import StockPipelineAdapter
 
 
@@ -20,6 +22,20 @@ class QwenImageAdapter(StockPipelineAdapter):
 
     def vae_scale_factor(self, vae_config: dict) -> int:
         return 2 ** len(vae_config["temperal_downsample"])
+
+    def max_side(self, checkpoint) -> tuple[int, str]:
+        """Qwen-Image's rotary tables (`QwenEmbedRope`, read here on the meta device) hold a fixed number of
+        positions. Image positions are centred, so half the side is used, and the text takes the positions after the
+        image's (up to 1024 tokens, `call_overrides`): past that the text slice comes out short and the call fails."""
+        from ..parallel import patches  # here: patches imports `families`, which imports this module
+
+        rope = patches.internal("diffusers.models.transformers.transformer_qwenimage", "QwenEmbedRope")
+        with torch.device("meta"):
+            positions = rope(theta=10000, axes_dim=[2, 2, 2], scale_rope=True).pos_freqs.shape[0]
+        text, token = self.call_overrides["max_sequence_length"], self.pixels_per_token(checkpoint)
+        return 2 * (positions - text) * token, (f"its rotary table holds {positions} positions, shared by half the "
+                                               f"image's side in latent tokens ({token} pixels each) and up to {text} "
+                                               "text tokens")
 
     def encode(self, encoder, prompt, negative_prompt, max_sequence_length=512):
         embeds = {}

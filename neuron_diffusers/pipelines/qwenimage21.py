@@ -17,8 +17,22 @@ class QwenImage21Adapter(StockPipelineAdapter):
     shared_components = ("processor",)  # the pipeline's `__init__` tokenizes its chat template
     guidance_kwarg = "true_cfg_scale"
 
+    #: `QwenImage21Rope` keeps 1024 negative positions (its table is 8192 positive + 1024 negative, tested). An image
+    #: block numbers its rows and columns from -(side - side // 2), so a side above 2048 latent tokens would index past
+    #: them and wrap around into the positive positions: a silently wrong image, not an error.
+    rope_negative_positions = 1024
+
     def vae_scale_factor(self, vae_config: dict) -> int:
         return 16  # fixed in the pipeline's `__init__`
+
+    def pixels_per_token(self, checkpoint) -> int:
+        return self.vae_scale_factor({})  # the transformer's patch is one latent pixel
+
+    def max_side(self, checkpoint) -> tuple[int, str]:
+        token = self.pixels_per_token(checkpoint)
+        return 2 * self.rope_negative_positions * token, (
+            f"its rotary table holds {self.rope_negative_positions} negative positions for the rows and columns "
+            f"above and left of the image's centre ({token} pixels each); beyond them positions would wrap around")
 
     def encode(self, encoder, prompt, negative_prompt):
         embeds = {}

@@ -2,6 +2,8 @@
 
 Used by the tests and by tools that prove a plan numerically (TP=1 vs TP=N) without torchrun.
 Each rank is a fresh `spawn`ed interpreter, so `fn` must be importable (a module-level function).
+A rank ends in the job's fixed order (`distributed.exit_process`): result flushed to the parent, every rank past
+its last collective, process group destroyed, `os._exit`; a normal interpreter exit could abort in a gloo thread.
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..distributed import exit_process, leave_together
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+#: How long a finished rank waits for its peers before tearing the process group down anyway.
+_LEAVE_TIMEOUT_S = 30.0
 
 
 def _rank_main(fn, rank, world_size, port, timeout_s, args, results) -> None:
@@ -36,9 +44,10 @@ def _rank_main(fn, rank, world_size, port, timeout_s, args, results) -> None:
         results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:  # reported to the parent, which raises it with the rank named
         results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # the result is in the pipe before this process may end
+    leave_together(min(timeout_s, _LEAVE_TIMEOUT_S))
+    exit_process(0)
 
 
 def _record(rank, ok, payload, collected, failures, reported) -> None:
@@ -58,17 +67,20 @@ def _drain(results, collected, failures, reported, grace_s: float) -> None:
         pass
 
 
-def run_on_cpu_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
+def run_on_cpu_ranks(fn, world_size: int, *args, timeout_s: float = 300.0,
+                     collective_timeout_s: float | None = None) -> list:
     """`fn(*args)` on `world_size` gloo ranks (the process group is up when it runs).
 
     Returns the per-rank results in rank order; raises `RuntimeError` with the failing ranks'
-    tracebacks, or when a rank does not answer within `timeout_s`.
+    tracebacks, or when a rank does not answer within `timeout_s`. `collective_timeout_s` (default
+    `timeout_s`) bounds each collective, as `init_distributed(timeout_s=...)` does.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
+    collective = timeout_s if collective_timeout_s is None else collective_timeout_s
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, timeout_s, args, results), daemon=True)
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, collective, args, results), daemon=True)
         for r in range(world_size)
     ]
     for proc in procs:
@@ -98,7 +110,7 @@ def run_on_cpu_ranks(fn, world_size: int, *args, timeout_s: float = 300.0) -> li
             _record(rank, ok, payload, collected, failures, reported)
     finally:
         for proc in procs:
-            proc.join(timeout=10)
+            proc.join(timeout=1 if failures else 10)  # after a failure the others may wait for a dead peer
             if proc.is_alive():
                 proc.kill()
     if failures:

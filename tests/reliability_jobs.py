@@ -1,0 +1,145 @@
+"""Rank functions for tests/test_reliability.py (module level, so `spawn` can import them): one spawn does it all."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LONG_PROMPT = " ".join(["word"] * 40)  # 125 tokens on the tiny Qwen-Image: above the 16-token bucket below
+GOOD = {"height": 32, "width": 32, "num_inference_steps": 2, "output_type": "np"}
+
+
+def _outcome(call) -> dict:
+    """What `call()` raised on this rank (type and message), or that it returned."""
+    try:
+        call()
+        return {"type": None, "message": "returned"}
+    except Exception as error:  # every kind counts: the test compares them across ranks
+        return {"type": type(error).__name__, "message": str(error)}
+
+
+def _image(outputs):
+    return None if outputs is None else np.asarray(outputs[0])
+
+
+def serving_loop(checkpoint) -> dict:
+    """A serving loop on a TP=2 group: a good request, five kinds of bad request, and the good one again.
+
+    The process group's collective timeout is 60 s (see the test): a group put out of step would wait that long at
+    its next collective and fail there.
+    """
+    import neuron_diffusers as nd
+
+    mesh = nd.init_distributed(tp=2)
+    pipe = nd.load_pipeline(checkpoint, mesh, buckets=(16,))
+    start = time.monotonic()
+    first = _image(pipe.generate("a red fox", seed=0, **GOOD))
+    bad = {
+        "prompt not a string": lambda: pipe.generate(5, seed=0, **GOOD),
+        "prompt longer than the largest bucket": lambda: pipe.generate(LONG_PROMPT, seed=0, **GOOD),
+        "bad return option": lambda: pipe.generate("a red fox", seed=0, **{**GOOD, "output_type": "bogus"}),
+        "negative prompt not a string": lambda: pipe.generate("a red fox", seed=0, negative_prompt=5, **GOOD),
+        "NaN guidance": lambda: pipe.generate("a red fox", seed=0, true_cfg_scale=float("nan"), **GOOD),
+        "unknown keyword": lambda: pipe.generate("a red fox", seed=0, guidance_scal=4.0, **GOOD),
+        "seed beyond 64 bits": lambda: pipe.generate(["a", "b"], seed=2**64 - 1, **GOOD),
+        "size beyond the model": lambda: pipe.generate("a red fox", seed=0, **{**GOOD, "height": 98320}),
+    }
+    report = {"bad": {name: _outcome(call) for name, call in bad.items()}}
+    report["again"] = _image(pipe.generate("a red fox", seed=0, **GOOD))
+    report["first"] = first
+
+    # Part of the group: rank 0 calls alone (rank 1 waits in a barrier meanwhile) and gives up after the entry
+    # timeout; the next call pairs the ranks up again.
+    pipe.entry_timeout_s = 3.0
+    report["partial"] = _outcome(lambda: pipe.generate("a red fox", seed=0, **GOOD)) if dist.get_rank() == 0 else None
+    dist.barrier()
+    report["after_partial"] = _image(pipe.generate("a red fox", seed=0, **GOOD))
+    # Different arguments on the two ranks: both refuse, before any collective.
+    report["mismatch"] = _outcome(lambda: pipe.generate("a red fox", seed=dist.get_rank(), **GOOD))
+    report["after_mismatch"] = _image(pipe.generate("a red fox", seed=0, **GOOD))
+    report["seconds"] = time.monotonic() - start
+    return report
+
+
+def cfg_pair_loop(checkpoint) -> dict:
+    """One CFG pair (tp=1, cfg=2): a bad true-CFG request fails alike on both groups; the pair then still works."""
+    import neuron_diffusers as nd
+
+    mesh = nd.init_distributed(tp=1, cfg=2)
+    pipe = nd.load_pipeline(checkpoint, mesh, buckets=(16,))
+    cfg = {**GOOD, "negative_prompt": "blurry", "true_cfg_scale": 4.0}
+    return {
+        "too_long": _outcome(lambda: pipe.generate(LONG_PROMPT, seed=0, **cfg)),
+        "too_long_split": _outcome(lambda: pipe.generate(["a red fox", LONG_PROMPT], seed=0, **GOOD)),
+        "good": _image(pipe.generate("a red fox", seed=0, **cfg)),
+    }
+
+
+def nan_checks(nan_checkpoint) -> dict:
+    """A checkpoint with NaN weights at TP=2 fails with `NonFiniteLatentsError` (no plan warning); one rank's NaN
+    latents are caught by the latent check, which `abs(a - b) > tol` alone would miss."""
+    import neuron_diffusers as nd
+    from neuron_diffusers.consistency import LatentAgreement
+
+    warnings = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logging.getLogger("neuron_diffusers").addHandler(Collect(logging.WARNING))
+    mesh = nd.init_distributed(tp=2)
+    pipe = nd.load_pipeline(nan_checkpoint, mesh)
+    report = {"nan_checkpoint": _outcome(lambda: pipe.generate("a red fox", seed=0, **GOOD))}
+    latents = torch.ones(1, 4, 8)
+    if dist.get_rank() == 1:
+        latents[0, 0, 3] = float("nan")  # one element, on one rank
+    check = LatentAgreement(mesh["tp"].get_group())
+    report["one_nan"] = _outcome(lambda: check.check([latents], "step 3"))
+    report["warnings"] = warnings
+    return report
+
+
+def disk_full(argv_tp2: list[str], argv_dp2: list[str]) -> dict:
+    """The job with rank 0's second PNG write failing with ENOSPC mid-file, at TP=2 (one group) and DP=2 (two
+    groups, the other one healthy): every rank must end with the same error."""
+    import PIL.Image
+
+    from neuron_diffusers.cli import _parser
+    from neuron_diffusers.distributed import detect_runtime
+    from neuron_diffusers.job import plan_job, run_job
+
+    real_save = PIL.Image.Image.save
+    writes = []
+
+    def save(self, fp, *args, **kwargs):
+        writes.append(fp)
+        if dist.get_rank() == 0 and len(writes) == 2:
+            with open(fp, "wb") as file:
+                file.write(b"\x89PNG half an image")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, fp, *args, **kwargs)
+
+    PIL.Image.Image.save = save
+    report = {}
+    try:
+        for name, argv in (("tp2", argv_tp2), ("dp2", argv_dp2)):
+            writes.clear()
+            args = _parser().parse_args(["generate", *argv])
+            report[name] = _outcome(lambda args=args: run_job(plan_job(args, detect_runtime().world_size, "cpu"),
+                                                               overwrite=False, compile_backend=None, warm=False,
+                                                               timeout_s=60))
+    finally:
+        PIL.Image.Image.save = real_save
+    return report
+
+
+def all_checks(checkpoints: dict, argv_tp2: list[str], argv_dp2: list[str]) -> dict:
+    torch.set_num_threads(1)  # as torchrun does: ranks share the cores
+    return {"serving": serving_loop(checkpoints["qwenimage"]), "cfg": cfg_pair_loop(checkpoints["qwenimage"]),
+            "nan": nan_checks(checkpoints["nan_flux"]), "disk_full": disk_full(argv_tp2, argv_dp2)}
