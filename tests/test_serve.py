@@ -137,6 +137,7 @@ def test_http_layer_answers_refuses_and_queues_in_one_process():
     (["serve", "--compile", "--port", "0"], "--sizes"),
     (["serve", "--model", "h3", "--port", "0"], "generate"),
     (["serve", "--sizes", "32x33", "--port", "0"], "multiples of 16"),
+    (["bench", "serve", "--requests", "2000"], "bounded"),
 ])
 def test_bad_command_lines_exit_2_before_anything_starts(argv, message, capsys):
     assert main(argv) == 2

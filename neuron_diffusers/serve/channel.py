@@ -21,7 +21,7 @@ PREFIX = "neuron_diffusers/serve"
 #: The task that ends a replica's loop.
 STOP = {"stop": True}
 #: Seconds between two looks at the store: from the first, growing while nothing comes, to the last.
-POLL_S = (0.001, 0.02)
+POLL_S = (0.001, 0.01)
 
 
 class Channel:

@@ -3,10 +3,13 @@ same model, mesh, size and steps, in one run.
 
 The server is started under torchrun on loopback (`serve --port 0`), warmed with one request, then sent `--requests`
 requests (one image each, distinct seeds) with at most `--concurrency` in flight, `--rounds` times: images per
-second is requests / wall time of a round, latencies are per request (arrival to answer, client side). The batch job
-makes the same number of images from a prompt file (`generate --prompts`), `--rounds` times; its images per second
-is taken from summary.json's per-image seconds, per TP group, leaving out each group's first image (its first call
-pays one-time costs, like the server's warm-up request). Figures: median [min - max] over the rounds.
+second is requests / wall time of a round, latencies are per request (arrival to answer, client side). After each of the
+server's rounds the batch job makes the same number of images from a prompt file (`generate --prompts`) on the same
+mesh, while the server idles; its images per second is taken from summary.json's per-image seconds, per TP group,
+leaving out each group's first image (its first call pays one-time costs, like the server's warm-up request).
+Figures: median [min - max] over the rounds; the ratio is taken per round (a round's serve over its batch), since
+the load of a shared machine changes between rounds. On an accelerator the batch job needs the devices the idle
+server holds: there, compare with a batch job run on its own.
 """
 
 from __future__ import annotations
@@ -88,8 +91,13 @@ class ServerProcess:
             return self.process.wait()
 
 
-async def _round(url: str, body: dict, requests: int, concurrency: int, first_seed: int) -> dict:
-    """`requests` requests with at most `concurrency` in flight: wall seconds and each request's latency."""
+def serve_round(url: str, body: dict, requests: int, concurrency: int, first_seed: int) -> dict:
+    """`requests` requests (seeds from `first_seed`) with at most `concurrency` in flight: images per second and
+    latency percentiles (seconds, client side)."""
+    return asyncio.run(_send(url, body, requests, concurrency, first_seed))
+
+
+async def _send(url: str, body: dict, requests: int, concurrency: int, first_seed: int) -> dict:
     import httpx  # the `serve` extra (see `ServerProcess.wait_ready`)
 
     limit = asyncio.Semaphore(concurrency)
@@ -109,50 +117,28 @@ async def _round(url: str, body: dict, requests: int, concurrency: int, first_se
         wall = time.perf_counter() - start
     if failures:
         raise RuntimeError(f"{len(failures)} request(s) failed, e.g. {failures[0]}")
-    return {"images_per_s": requests / wall, "latencies": latencies}
+    return {"images_per_s": requests / wall, **{f"p{q}": percentile(latencies, q) for q in (50, 95, 99)}}
 
 
 def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def bench_server(args, mesh_args: list[str], body: dict) -> list[dict]:
-    server = ServerProcess(args.nproc, ["--model", args.model, *mesh_args, "--max-queue", str(args.requests),
-                                        "--steps", str(args.steps), "--sizes", args.size])
-    try:
-        server.wait_ready()
-        asyncio.run(_round(server.url, body, 1, 1, 10**6))  # warm-up: first-call costs are not throughput
-        rounds = []
-        for index in range(args.rounds):
-            result = asyncio.run(_round(server.url, body, args.requests, args.concurrency, index * args.requests))
-            rounds.append({"images_per_s": result["images_per_s"],
-                           **{f"p{q}": percentile(result["latencies"], q) for q in (50, 95, 99)}})
-            print(f"serve round {index + 1}: {rounds[-1]['images_per_s']:.3f} images/s", file=sys.stderr, flush=True)
-    finally:
-        server.stop(ranks_only=False)
-    return rounds
-
-
-def bench_batch(args, mesh_args: list[str], folder: Path) -> list[dict]:
+def batch_round(args, mesh_args: list[str], folder: Path, index: int) -> dict:
+    """One batch job of `--requests` prompts; images per second from summary.json (see the module docstring)."""
     width, _, height = args.size.partition("x")
     prompts = folder / "prompts.txt"
     prompts.write_text("".join(f"a red fox, take {i}\n" for i in range(args.requests)))
-    rounds = []
-    for index in range(args.rounds):
-        out = folder / f"batch{index}"
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m",
-                   "neuron_diffusers", "generate", "--model", args.model, "--prompts", str(prompts), "--out",
-                   str(out), *mesh_args, "--height", height, "--width", width, "--steps", str(args.steps)]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        images = json.loads((out / "summary.json").read_text())["images"]
-        per_group = defaultdict(list)
-        for image in sorted(images, key=lambda image: image["index"]):
-            per_group[image["rank"]].append(image["seconds"])
-        # Each TP group (replica) in its steady state, first image left out; replicas run side by side.
-        rate = sum((len(s) - 1) / sum(s[1:]) for s in per_group.values() if len(s) > 1)
-        rounds.append({"images_per_s": rate})
-        print(f"batch round {index + 1}: {rate:.3f} images/s", file=sys.stderr, flush=True)
-    return rounds
+    out = folder / f"batch{index}"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m",
+               "neuron_diffusers", "generate", "--model", args.model, "--prompts", str(prompts), "--out", str(out),
+               *mesh_args, "--height", height, "--width", width, "--steps", str(args.steps)]
+    subprocess.run(command, check=True, capture_output=True, text=True)
+    per_group = defaultdict(list)
+    for image in sorted(json.loads((out / "summary.json").read_text())["images"], key=lambda image: image["index"]):
+        per_group[image["rank"]].append(image["seconds"])
+    # Each TP group (replica) in its steady state, its first image left out; the groups run side by side.
+    return {"images_per_s": sum((len(s) - 1) / sum(s[1:]) for s in per_group.values() if len(s) > 1)}
 
 
 def _spread(values: list[float]) -> str:
@@ -179,19 +165,30 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--size {args.size}: use WIDTHxHEIGHT, e.g. 128x128.")
     mesh_args = (["--tp", str(args.tp)] if args.tp else []) + (["--cfg-parallel"] if args.cfg_parallel else [])
     body = {"prompt": "a red fox", "size": args.size, "num_inference_steps": args.steps}
-    served = bench_server(args, mesh_args, body)
-    with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
-        batch = bench_batch(args, mesh_args, Path(folder))
-    serve_rate = statistics.median(r["images_per_s"] for r in served)
-    batch_rate = statistics.median(r["images_per_s"] for r in batch)
+    served, batch = [], []
+    # One server for every round; the batch job's rounds alternate with the server's (which then sits idle), so
+    # both meet the same load on a shared machine.
+    server = ServerProcess(args.nproc, ["--model", args.model, *mesh_args, "--max-queue", str(args.requests),
+                                        "--steps", str(args.steps), "--sizes", args.size])
+    try:
+        server.wait_ready()
+        serve_round(server.url, body, 1, 1, 10**6)  # warm-up: first-call costs are not throughput
+        with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
+            for index in range(args.rounds):
+                served.append(serve_round(server.url, body, args.requests, args.concurrency, index * args.requests))
+                batch.append(batch_round(args, mesh_args, Path(folder), index))
+                print(f"round {index + 1}: serve {served[-1]['images_per_s']:.3f}, batch "
+                      f"{batch[-1]['images_per_s']:.3f} images/s", file=sys.stderr, flush=True)
+    finally:
+        server.stop(ranks_only=False)
+    ratios = [s["images_per_s"] / b["images_per_s"] for s, b in zip(served, batch, strict=True)]
     print(f"{args.model}, {args.nproc} rank(s) {' '.join(mesh_args) or '(tp = all)'}, {args.size}, {args.steps} "
           f"steps, {args.requests} requests x {args.rounds} rounds, concurrency {args.concurrency}")
     print("| | images/s | p50 latency (s) | p95 (s) | p99 (s) |\n|---|---:|---:|---:|---:|")
     print(f"| serve | {_spread([r['images_per_s'] for r in served])} | "
           + " | ".join(_spread([r[f'p{q}'] for r in served]) for q in (50, 95, 99)) + " |")
     print(f"| batch job | {_spread([r['images_per_s'] for r in batch])} | - | - | - |")
-    print(f"serve / batch images per second: {serve_rate / batch_rate:.3f}")
+    print(f"serve / batch images per second, per round: {_spread(ratios)}")
     if args.json:
-        args.json.write_text(json.dumps({"serve": served, "batch": batch, "ratio": serve_rate / batch_rate},
-                                        indent=2))
+        args.json.write_text(json.dumps({"serve": served, "batch": batch, "ratios": ratios}, indent=2))
     return 0
