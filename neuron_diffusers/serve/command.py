@@ -118,6 +118,10 @@ def plan_server(args, world_size: int, device_type: str):
         print(f"neuron-diffusers serve: note: --cfg-parallel: {adapter.pipeline_class} is guidance-distilled (no true "
               "CFG), so the cfg ranks serve as more replicas instead.", file=sys.stderr)
         pairs = 1
+    if pairs > 1 and not adapter.names_cfg_branches:
+        raise ValueError(f"--cfg-parallel cannot split {adapter.pipeline_class}'s true CFG: it calls its transformer "
+                         "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
+                         "--cfg-parallel.")
     check_cfg_degree(pairs, tp, world_size)
     limits = adapter.size_limits(checkpoint)
     default = tiny.default_size(args.model) if args.model in tiny.FAMILIES else (1024, 1024)

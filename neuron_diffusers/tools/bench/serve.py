@@ -133,7 +133,9 @@ def batch_round(args, mesh_args: list[str], folder: Path, index: int) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m",
                "neuron_diffusers", "generate", "--model", args.model, "--prompts", str(prompts), "--out", str(out),
                *mesh_args, "--height", height, "--width", width, "--steps", str(args.steps)]
-    subprocess.run(command, check=True, capture_output=True, text=True)
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"the batch job failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     per_group = defaultdict(list)
     for image in sorted(json.loads((out / "summary.json").read_text())["images"], key=lambda image: image["index"]):
         per_group[image["rank"]].append(image["seconds"])
