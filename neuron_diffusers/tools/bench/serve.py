@@ -3,13 +3,15 @@ same model, mesh, size and steps, in one run.
 
 The server is started under torchrun on loopback (`serve --port 0`), warmed with one request, then sent `--requests`
 requests (one image each, distinct seeds) with at most `--concurrency` in flight, `--rounds` times: images per
-second is requests / wall time of a round, latencies are per request (arrival to answer, client side). After each of the
-server's rounds the batch job makes the same number of images from a prompt file (`generate --prompts`) on the same
-mesh, while the server idles; its images per second is taken from summary.json's per-image seconds, per TP group,
-leaving out each group's first image (its first call pays one-time costs, like the server's warm-up request).
-Figures: median [min - max] over the rounds; the ratio is taken per round (a round's serve over its batch), since
-the load of a shared machine changes between rounds. On an accelerator the batch job needs the devices the idle
-server holds: there, compare with a batch job run on its own.
+second is requests / wall time of a round, latencies are per request (arrival to answer, client side). After each
+of the server's rounds the batch job makes the same number of images from a prompt file (`generate --prompts`) on
+the same mesh, while the server idles; its images per second comes from summary.json's per-image seconds, per TP
+group, leaving out each group's first image (its first call pays one-time costs, like the server's warm-up
+request). "s per image on a replica" is the time inside `generate` (the server's /metrics; the job's per-image
+seconds, which include its save), so the gap between it and 1 / images per second is what serving adds around the
+images. Figures: median [min - max] over the rounds; the ratio is taken per round (a round's serve over its batch),
+since the load of a shared machine changes between rounds. On an accelerator the batch job needs the devices the
+idle server holds: there, compare with a batch job run on its own.
 """
 
 from __future__ import annotations
@@ -124,6 +126,15 @@ def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
+def generate_seconds(url: str) -> float:
+    """The seconds the server's replicas spent in `generate` so far (its /metrics), to tell the time of the images
+    themselves from the time around them (HTTP, queue, PNG, the store)."""
+    import httpx  # the `serve` extra (see `ServerProcess.wait_ready`)
+
+    match = re.search(r'phase_seconds_total\{phase="generate"\} (\S+)', httpx.get(f"{url}/metrics").text)
+    return float(match.group(1)) if match else 0.0
+
+
 def batch_round(args, mesh_args: list[str], folder: Path, index: int) -> dict:
     """One batch job of `--requests` prompts; images per second from summary.json (see the module docstring)."""
     width, _, height = args.size.partition("x")
@@ -140,7 +151,9 @@ def batch_round(args, mesh_args: list[str], folder: Path, index: int) -> dict:
     for image in sorted(json.loads((out / "summary.json").read_text())["images"], key=lambda image: image["index"]):
         per_group[image["rank"]].append(image["seconds"])
     # Each TP group (replica) in its steady state, its first image left out; the groups run side by side.
-    return {"images_per_s": sum((len(s) - 1) / sum(s[1:]) for s in per_group.values() if len(s) > 1)}
+    steady = [seconds[1:] for seconds in per_group.values() if len(seconds) > 1]
+    return {"images_per_s": sum(len(s) / sum(s) for s in steady),
+            "seconds_per_image": sum(map(sum, steady)) / sum(map(len, steady))}
 
 
 def _spread(values: list[float]) -> str:
@@ -177,7 +190,9 @@ def main(args: argparse.Namespace) -> int:
         serve_round(server.url, body, 1, 1, 10**6)  # warm-up: first-call costs are not throughput
         with tempfile.TemporaryDirectory(prefix="bench-serve-") as folder:
             for index in range(args.rounds):
+                before = generate_seconds(server.url)
                 served.append(serve_round(server.url, body, args.requests, args.concurrency, index * args.requests))
+                served[-1]["seconds_per_image"] = (generate_seconds(server.url) - before) / args.requests
                 batch.append(batch_round(args, mesh_args, Path(folder), index))
                 print(f"round {index + 1}: serve {served[-1]['images_per_s']:.3f}, batch "
                       f"{batch[-1]['images_per_s']:.3f} images/s", file=sys.stderr, flush=True)
@@ -186,10 +201,13 @@ def main(args: argparse.Namespace) -> int:
     ratios = [s["images_per_s"] / b["images_per_s"] for s, b in zip(served, batch, strict=True)]
     print(f"{args.model}, {args.nproc} rank(s) {' '.join(mesh_args) or '(tp = all)'}, {args.size}, {args.steps} "
           f"steps, {args.requests} requests x {args.rounds} rounds, concurrency {args.concurrency}")
-    print("| | images/s | p50 latency (s) | p95 (s) | p99 (s) |\n|---|---:|---:|---:|---:|")
+    print("| | images/s | s per image on a replica | p50 latency (s) | p95 (s) | p99 (s) |\n"
+          "|---|---:|---:|---:|---:|---:|")
     print(f"| serve | {_spread([r['images_per_s'] for r in served])} | "
+          f"{_spread([r['seconds_per_image'] for r in served])} | "
           + " | ".join(_spread([r[f'p{q}'] for r in served]) for q in (50, 95, 99)) + " |")
-    print(f"| batch job | {_spread([r['images_per_s'] for r in batch])} | - | - | - |")
+    print(f"| batch job | {_spread([r['images_per_s'] for r in batch])} | "
+          f"{_spread([r['seconds_per_image'] for r in batch])} | - | - | - |")
     print(f"serve / batch images per second, per round: {_spread(ratios)}")
     if args.json:
         args.json.write_text(json.dumps({"serve": served, "batch": batch, "ratios": ratios}, indent=2))
