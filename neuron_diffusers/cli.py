@@ -1,9 +1,9 @@
 """`neuron-diffusers` (also `python -m neuron_diffusers`): a table of subcommands, each served by one module.
 
 Every module in `COMMANDS` has `add_arguments(parser)` and `main(args)` (returning an exit status, or None for 0).
-`generate` is the job (`job.py`); `tiny` builds offline checkpoints; `compare` measures two outputs' difference;
-`plan ...` and `bench ...` are developer tools (`tools/`). Bad input from the user exits with status 2 and a one-line
-error; everything is checked before a process group starts or any weight is read.
+`generate` is the job (`job.py`); `serve` the HTTP server (`serve/`); `tiny` builds offline checkpoints; `compare`
+measures two outputs' difference; `plan ...` and `bench ...` are developer tools (`tools/`). Bad input from the user
+exits with status 2 and a one-line error; everything is checked before a process group starts or any weight is read.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from .distributed import exit_process
 #: "command [subcommand]" -> (module, help).
 COMMANDS = {
     "generate": ("job", "generate images (H3: videos) for prompts over the launched ranks"),
+    "serve": ("serve.command", "an OpenAI-style image API on rank 0; every replica of the mesh serves requests"),
     "tiny": ("tiny", "build a tiny random checkpoint of a family, offline"),
     "compare": ("tools.compare", "PSNR and SSIM of two images, or of two output folders (e.g. cached vs not)"),
     "plan report": ("tools.plan.report", "per-rank memory and collectives of a plan at a TP degree"),
@@ -34,6 +35,7 @@ COMMANDS = {
     "bench cfg": ("tools.bench.cfg", "step time of CFG-parallel vs serial CFG on the same ranks; forwards"),
     "bench cache": ("tools.bench.cache", "step time and fraction skipped vs threshold at TP=2, beside no cache"),
     "bench exit": ("tools.bench.exit", "run the README's first command N times; count failed exits and signals"),
+    "bench serve": ("tools.bench.serve", "throughput and latency percentiles of `serve` vs the batch job, same mesh"),
 }
 #: Help for the command groups of two-word commands.
 GROUPS = {"plan": "inspect tensor-parallel plans", "bench": "benchmarks"}

@@ -330,9 +330,10 @@ def check_out_dir(out_dir: Path) -> None:
                               "another output folder.") from None
 
 
-def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dict[str, str]:
+def settings_text(request: Request, *, model: str, pipeline: str, tp: int, dp: int, cfg: int, dtype: str,
+                  loras: list, key: dict, cache: str | None = None) -> dict[str, str]:
     """The PNG text chunks (MP4 metadata for video): enough to regenerate the output, and its settings key (what
-    resume compares)."""
+    resume compares). The server (`serve/`) writes the same chunks, so its images and the job's say the same."""
     values = {
         "prompt": request.prompt,
         "negative_prompt": request.negative_prompt or "",
@@ -341,14 +342,14 @@ def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dic
         "size": f"{request.width}x{request.height}",
         "guidance": "" if request.guidance is None else request.guidance,
         "true_cfg_scale": "" if request.true_cfg_scale is None else request.true_cfg_scale,
-        "model": plan.checkpoint.source,
-        "pipeline": plan.checkpoint.pipeline_class,
-        "tp": plan.tp,
+        "model": model,
+        "pipeline": pipeline,
+        "tp": tp,
         "dp": dp,
         "cfg": cfg,
-        "cache": plan.settings.get("cache") or "",
-        "dtype": plan.dtype,
-        "loras": json.dumps(plan.loras) if plan.loras else "",
+        "cache": cache or "",
+        "dtype": dtype,
+        "loras": json.dumps(loras) if loras else "",
         "neuron_diffusers": __version__,
     }
     if request.images:
@@ -357,7 +358,7 @@ def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dic
         values["mask"] = json.dumps(request.mask.record())
     if request.strength is not None:
         values["strength"] = request.strength
-    return {**{key: str(value) for key, value in values.items()}, **key_text(plan.keys[request.index])}
+    return {**{name: str(value) for name, value in values.items()}, **key_text(key)}
 
 
 def plan_job(args, world_size: int, device_type: str) -> JobPlan:
@@ -410,7 +411,7 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
                          f"{cache.num_inference_steps}, and some requests run another number of steps. Give them all "
                          "the same steps, or run them as separate jobs.")
     true_cfg = frozenset(r.index for r in requests
-                         if adapter.uses_true_cfg(r.negative_prompt, _call_kwargs(r, adapter)))
+                         if adapter.uses_true_cfg(r.negative_prompt, call_kwargs(r, adapter)))
     notes = []
     if pairs > 1 and not true_cfg:
         notes.append(_no_pairs_note(adapter, world_size, tp))
@@ -460,7 +461,8 @@ def _check_image_inputs(request: Request, adapter) -> None:
             raise ValueError(f"Request {request.index} ({request.prompt[:40]!r}): {error}") from None
 
 
-def _call_kwargs(request: Request, adapter) -> dict:
+def call_kwargs(request: Request, adapter) -> dict:
+    """The stock pipeline call's kwargs for `request` (its guidance under the family's own kwarg name)."""
     kwargs = {"height": request.height, "width": request.width, "num_inference_steps": request.steps}
     if "max_area" in adapter.call_parameters():  # Kontext: keep --height x --width (its default rescales to 1 MP)
         kwargs["max_area"] = request.height * request.width
@@ -581,14 +583,16 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
     for request, with_partner in work:
         start = time.perf_counter()
         outputs = pipe.generate(request.prompt, seed=request.seed, negative_prompt=request.negative_prompt,
-                                alone=not with_partner, **request.image_kwargs(), **_call_kwargs(request, pipe.adapter))
+                                alone=not with_partner, **request.image_kwargs(), **call_kwargs(request, pipe.adapter))
         error = None
         if outputs is not None:  # the rank that holds the image saves it
             save_start = time.perf_counter()
             path = plan.out_dir / request.file_name(pipe.adapter.output_suffix)
             try:
-                pipe.adapter.save(outputs[0], path,
-                                  text=settings_text(request, plan, dp, cfg=2 if with_partner else 1))
+                pipe.adapter.save(outputs[0], path, text=settings_text(
+                    request, model=plan.checkpoint.source, pipeline=plan.checkpoint.pipeline_class, tp=plan.tp, dp=dp,
+                    cfg=2 if with_partner else 1, dtype=plan.dtype, loras=plan.loras, key=plan.keys[request.index],
+                    cache=plan.settings.get("cache")))
                 images.append({**asdict(request), "file": path.name,
                                "seconds": round(time.perf_counter() - start, 4),
                                "save_seconds": round(time.perf_counter() - save_start, 4), "rank": dist.get_rank(),

@@ -100,12 +100,23 @@ def save_png(image: PIL.Image.Image, path: str | os.PathLike[str], text: Mapping
     The text travels inside the image, so a PNG copied elsewhere still says how it was made.
     """
     path = Path(path)
+    with _staged([path]) as (temp,):
+        image.save(temp, format="PNG", pnginfo=_png_info(text))
+    return path
+
+
+def png_bytes(image: PIL.Image.Image, text: Mapping[str, str] | None = None) -> bytes:
+    """`image` as the bytes of the PNG `save_png` would write (the same text chunks): what the server sends."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=_png_info(text))
+    return buffer.getvalue()
+
+
+def _png_info(text: Mapping[str, str] | None) -> PngInfo:
     info = PngInfo()
     for key, value in (text or {}).items():
         info.add_text(key, value)
-    with _staged([path]) as (temp,):
-        image.save(temp, format="PNG", pnginfo=info)
-    return path
+    return info
 
 
 def read_png_text(path: str | os.PathLike[str]) -> dict[str, str] | None:

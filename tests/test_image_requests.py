@@ -118,6 +118,11 @@ def _plan(tmp_path, *argv, world_size=1):
     return plan_job(args, world_size, "cpu")
 
 
+def _text(request, plan):
+    return settings_text(request, model=plan.checkpoint.source, pipeline=plan.checkpoint.pipeline_class, tp=plan.tp,
+                         dp=1, cfg=1, dtype=plan.dtype, loras=plan.loras, key=plan.keys[request.index])
+
+
 def test_prompt_file_images_are_relative_to_it_and_recorded_with_their_digest(tmp_path, inputs):
     plan = _plan(tmp_path, "--prompts", str(inputs / "sub" / "prompts.jsonl"), "--model", "qwenimage_edit",
                  "--image", str(inputs / "other.png"))
@@ -126,13 +131,13 @@ def test_prompt_file_images_are_relative_to_it_and_recorded_with_their_digest(tm
     assert [i.path for i in first.images] == [str(inputs / "sub" / "in.png")] and first.images[0].sha256 == digest
     assert [i.path for i in third.images] == [str(inputs / "other.png")]  # the command line's default
     assert len(second.images) == 2
-    text = settings_text(second, plan, dp=1)
+    text = _text(second, plan)
     assert text["pipeline"] == "QwenImageEditPlusPipeline"
     assert json.loads(text["images"]) == [image.record() for image in second.images]
-    assert "images" not in settings_text(_plan(tmp_path, "--prompt", "x").requests[0], plan, dp=1)
+    assert "images" not in _text(_plan(tmp_path, "--prompt", "x").requests[0], plan)
     img2img = _plan(tmp_path, "--prompts", str(inputs / "sub" / "strength.jsonl"), "--pipeline", "FluxImg2ImgPipeline")
     assert img2img.requests[0].strength == 0.5
-    assert settings_text(img2img.requests[0], img2img, dp=1)["strength"] == "0.5"
+    assert _text(img2img.requests[0], img2img)["strength"] == "0.5"
 
 
 BAD_INPUT = {

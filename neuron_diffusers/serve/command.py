@@ -1,0 +1,237 @@
+"""`neuron-diffusers serve`: load the model once over the launched ranks and answer image requests over HTTP.
+
+    torchrun --nproc_per_node=N -m neuron_diffusers serve --model M [--tp T] [--cfg-parallel] [--port P] ...
+
+Global rank 0 runs the HTTP server (uvicorn, in a thread) and the scheduler; every rank, rank 0 included, serves its
+replica (a data-parallel TP group, or with `--cfg-parallel` a CFG pair of them) in its main thread. Everything the
+command line says is checked before the process group starts or any weight is read, like the job's.
+
+Shutdown: SIGTERM (what torchrun, Kubernetes and `docker stop` send) stops rank 0 from accepting connections, lets
+the requests in flight and in the queue finish (at most `--shutdown-timeout` seconds), then every replica leaves its
+loop and every rank exits 0. A rank that gets SIGTERM waits for rank 0's word for as long. A lost rank ends the
+serving ranks with a collective error (exit 1), and torchrun stops the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import signal
+import socket
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import tiny
+from ..checkpoint import resolve
+from ..cli import positive_float, positive_int
+from ..compile import compile_repeated_blocks, resolve_backend, warmup
+from ..consistency import CallEntry
+from ..distributed import (
+    check_cfg_degree,
+    check_tp_degree,
+    default_store,
+    detect_runtime,
+    init_distributed,
+    leave_together,
+)
+from ..job import DEFAULT_MAX_PIXELS, DTYPES
+from ..runner import load_pipeline
+from .channel import Channel
+from .replica import serve_replica
+
+#: The `serve` extra's modules (pyproject.toml).
+WEB_STACK = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+
+
+def size_list(value: str) -> tuple[tuple[int, int], ...]:
+    """An argparse type: `1024x1024,768x1344` (WIDTHxHEIGHT, OpenAI's order) -> ((height, width), ...)."""
+    sizes = []
+    for item in value.split(","):
+        width, _, height = item.strip().partition("x")
+        if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+            raise argparse.ArgumentTypeError(f"{item!r} is not a size: use WIDTHxHEIGHT, e.g. 1024x1024,768x1344")
+        sizes.append((int(height), int(width)))
+    return tuple(dict.fromkeys(sizes))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="flux",
+                        help="checkpoint folder, or a tiny family name built offline (default: flux, a tiny FLUX.1)")
+    parser.add_argument("--tp", type=positive_int, default=None,
+                        help="tensor-parallel degree (default: all ranks; with --cfg-parallel half of them); the "
+                             "other ranks form more replicas that serve requests at the same time")
+    parser.add_argument("--cfg-parallel", action="store_true",
+                        help="replicas are CFG pairs of TP groups: a request with true CFG computes cond and uncond "
+                             "side by side")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (printed)")
+    parser.add_argument("--max-queue", type=positive_int, default=16,
+                        help="requests that may wait for a free replica; more are answered 429 with Retry-After")
+    parser.add_argument("--request-timeout", type=positive_float, default=600.0,
+                        help="seconds a request may take before it is answered 504")
+    parser.add_argument("--shutdown-timeout", type=positive_float, default=60.0,
+                        help="after SIGTERM: seconds the requests in flight and queued may take to finish")
+    parser.add_argument("--steps", type=positive_int, default=4, help="num_inference_steps when a request sets none")
+    parser.add_argument("--max-steps", type=positive_int, default=100, help="refuse requests with more steps")
+    parser.add_argument("--sizes", type=size_list, default=None,
+                        help="WIDTHxHEIGHT[,...]: the sizes served (the first is the default); with --compile the "
+                             "only ones, each compiled up front")
+    parser.add_argument("--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS,
+                        help="refuse images larger than this many pixels (the model's own maximum applies anyway)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="default: bfloat16 on an accelerator, float32 on CPU")
+    parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds any collective may wait")
+    parser.add_argument("--compile", nargs="?", const="auto", default=None, metavar="BACKEND",
+                        help="compile the transformer's repeated blocks and warm up every --sizes entry before "
+                             "serving; other sizes are refused (no request recompiles)")
+
+
+def plan_server(args, world_size: int, device_type: str):
+    """Resolve and check the command line, reading no weight and starting no process group; a `ServeConfig`."""
+    missing = [name for name in WEB_STACK if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"`serve` needs the web stack ({', '.join(missing)} missing): pip install "
+                         "'neuron-diffusers[serve]'.")
+    from .request import ServeConfig  # pydantic: the `serve` extra, for the reason `_Front` gives
+
+    if args.compile:
+        resolve_backend(args.compile)
+        if args.sizes is None:
+            raise ValueError("--compile serves only the sizes it warmed up: give them with --sizes WIDTHxHEIGHT[,...].")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not a port: use 0 .. 65535 (0 picks a free one).")
+    pairs = 2 if args.cfg_parallel else 1
+    tp = args.tp or max(world_size // pairs, 1)
+    check_tp_degree(tp, world_size)
+    checkpoint = resolve(args.model)
+    checkpoint.check_safetensors()
+    checkpoint.check_heads(tp)
+    adapter = checkpoint.adapter
+    if adapter.output_suffix != ".png":
+        raise ValueError(f"{adapter.pipeline_class} makes {adapter.output_suffix} files, and the server answers with "
+                         "images only: use `neuron-diffusers generate` for it.")
+    if pairs > 1 and not adapter.takes_negative_prompt:
+        print(f"neuron-diffusers serve: note: --cfg-parallel: {adapter.pipeline_class} is guidance-distilled (no true "
+              "CFG), so the cfg ranks serve as more replicas instead.", file=sys.stderr)
+        pairs = 1
+    if pairs > 1 and not adapter.names_cfg_branches:
+        raise ValueError(f"--cfg-parallel cannot split {adapter.pipeline_class}'s true CFG: it calls its transformer "
+                         "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
+                         "--cfg-parallel.")
+    check_cfg_degree(pairs, tp, world_size)
+    limits = adapter.size_limits(checkpoint)
+    default = tiny.default_size(args.model) if args.model in tiny.FAMILIES else (1024, 1024)
+    for height, width in args.sizes or ():
+        limits.check(height, width, f"--sizes {width}x{height}", args.max_pixels)
+    return ServeConfig(checkpoint, limits, args.sizes[0] if args.sizes else default, args.steps, args.max_steps,
+                       args.max_pixels, tp, world_size // (tp * pairs), pairs,
+                       args.dtype or ("float32" if device_type == "cpu" else "bfloat16"),
+                       sizes=args.sizes if args.compile else None)
+
+
+class _Signals:
+    """SIGTERM (and Ctrl-C) while serving: note the time, and on rank 0 tell the HTTP server to stop accepting."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.received_at: float | None = None
+        self.http = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+        if self.http is not None:
+            self.http.should_exit = True
+
+    def past_deadline(self) -> bool:
+        """A rank that got the signal waits this long for rank 0's stop, then gives up."""
+        return self.received_at is not None and time.monotonic() - self.received_at > self.timeout_s + 5
+
+
+def main(args: argparse.Namespace) -> int:
+    """`neuron-diffusers serve`: exit 0 after a SIGTERM once everything in flight is answered; 1 when a rank failed."""
+    runtime = detect_runtime()
+    config = plan_server(args, runtime.world_size, runtime.device_type)
+    listener = _listen(args.host, args.port) if runtime.rank == 0 else None
+    signals = _Signals(args.shutdown_timeout)
+    mesh = init_distributed(tp=config.tp, cfg=config.cfg, timeout_s=args.timeout)
+    front = _Front(config, args, listener, signals) if runtime.rank == 0 else None
+    try:
+        pipe = load_pipeline(config.checkpoint, mesh, torch_dtype=getattr(torch, config.dtype))
+        if args.compile:
+            compile_repeated_blocks(pipe, backend=args.compile)
+            warmup(pipe, list(args.sizes), num_inference_steps=2)
+        # Ready when every replica is: the handshake waits (up to the collective timeout) for the slowest load.
+        CallEntry(list(range(runtime.world_size)), "serve ready", timeout_s=None).enter([config.checkpoint.source])
+        if front is not None:
+            front.scheduler.ready.set()
+            print(f"neuron-diffusers serve: ready: {config.replicas} replica(s) of tp={config.tp} cfg={config.cfg}",
+                  file=sys.stderr, flush=True)
+        channel = Channel(mesh["dp"].get_local_rank(), default_store())
+        serve_replica(pipe, channel, give_up=signals.past_deadline)
+    except (dist.DistError, TimeoutError, RuntimeError) as error:
+        if front is not None:
+            front.scheduler.failure = str(error)
+        print(f"neuron-diffusers serve: error on rank {runtime.rank}: {error}", file=sys.stderr, flush=True)
+        return 1
+    if front is not None:
+        front.join()
+    leave_together(args.timeout)
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the port before anything loads: a port in use is an error now, not after minutes of loading."""
+    try:
+        listener = socket.create_server((host, port), reuse_port=False)
+    except OSError as error:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({error.strerror or error}). Choose "
+                         "another --port (0 picks a free one).") from None
+    return listener
+
+
+class _Front:
+    """Rank 0's HTTP server (uvicorn in a thread, so the main thread can serve its replica) and the scheduler; when
+    the HTTP server has finished its last response after a SIGTERM, the scheduler drains and stops the replicas."""
+
+    def __init__(self, config, args, listener: socket.socket, signals: _Signals):
+        # Imported here: the web stack is the `serve` extra, needed by this command only (and `cli` imports this
+        # module for its arguments whatever the command).
+        import uvicorn
+
+        from .app import build_app
+        from .metrics import Metrics
+        from .scheduler import Scheduler
+
+        metrics = Metrics()
+        store = default_store()
+        self.scheduler = Scheduler([Channel(r, store) for r in range(config.replicas)], args.max_queue,
+                                   metrics)
+        app = build_app(config, self.scheduler, metrics, args.request_timeout)
+        self.http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                  timeout_graceful_shutdown=args.shutdown_timeout))
+        signals.http = self.http
+        if signals.received_at is not None:
+            self.http.should_exit = True
+        self._http_thread = threading.Thread(target=self.http.run, kwargs={"sockets": [listener]}, name="http",
+                                             daemon=True)
+        self._stopper = threading.Thread(target=self._stop_after_http, name="stopper", daemon=True)
+        self.scheduler.start()
+        self._http_thread.start()
+        self._stopper.start()
+        host, port = listener.getsockname()[:2]
+        print(f"neuron-diffusers serve: listening on http://{host}:{port} (loading the model)", file=sys.stderr,
+              flush=True)
+
+    def _stop_after_http(self) -> None:
+        self._http_thread.join()
+        self.scheduler.stop()
+
+    def join(self) -> None:
+        self._stopper.join()

@@ -1,0 +1,66 @@
+"""The loop every rank runs while serving: take its replica's next task, make it together with the replica's other
+ranks, and (on the replica's leader) answer with the PNGs or the error.
+
+Every rank of the replica reads the same task and makes the same `generate` call, so the reliability machinery of
+`generate` applies as it is: the entry handshake, every argument checked on every rank, and a failure on one rank
+(the leader encodes and decodes) raised alike on all of them. A bad request therefore fails on the whole replica
+and the replica goes on with the next one. Only a lost peer (`torch.distributed.DistError`) ends the loop: the
+process group is then unusable, and the server must exit (non-zero) rather than answer wrongly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from ..distributed import is_replica_leader
+from ..media import png_bytes
+from ..runner import TPPipeline
+from .channel import Channel
+
+
+def serve_replica(pipe: TPPipeline, channel: Channel, give_up: Callable[[], bool] = lambda: False) -> int:
+    """Make tasks until the stop task comes; returns how many were made. `give_up` ends a wait for the next task
+    (a `TimeoutError`), e.g. when a SIGTERM came and rank 0 did not say stop in time."""
+    leader = is_replica_leader(pipe.mesh)
+    number = 0
+    while True:
+        task = channel.receive_task(number + 1, give_up)
+        if task.get("stop"):
+            return number
+        number += 1
+        result = make(pipe, task, leader)
+        if leader:
+            channel.send_result(number, result)
+
+
+def make(pipe: TPPipeline, task: dict, leader: bool) -> dict | None:
+    """One task's `generate` call; the leader returns the answer: PNG bytes (with the task's text chunks) and the
+    seconds per phase, or the error every rank raised."""
+    before = dict(pipe.times.seconds)
+    start = time.perf_counter()
+    try:
+        outputs = pipe.generate(task["prompts"], seed=task["seed"], negative_prompt=task["negative_prompt"],
+                                **task["kwargs"])
+    except dist.DistError:  # a peer is gone: nothing is left to agree with
+        raise
+    except Exception as error:  # the same on every rank of the replica (see `TPPipeline.generate`)
+        return {"error": error_record(error)} if leader else None
+    if not leader:
+        return None
+    generated = time.perf_counter()
+    images = [png_bytes(image, text) for image, text in zip(outputs, task["texts"], strict=True)]
+    phases = {name: value - before.get(name, 0.0) for name, value in pipe.times.seconds.items()}
+    phases = {"generate": generated - start, "png": time.perf_counter() - generated,
+              **{name: round(value, 6) for name, value in phases.items() if value > 0}}
+    return {"images": images, "phases": phases}
+
+
+def error_record(error: BaseException) -> dict:
+    """What the HTTP side answers for `error`: a bad request (`ValueError`) is the client's (400), anything else is
+    the server's (500); the message says which exception it was."""
+    client = isinstance(error, ValueError)
+    return {"status": 400 if client else 500, "type": "invalid_request_error" if client else "server_error",
+            "kind": "invalid_request" if client else type(error).__name__, "message": str(error)}

@@ -1,0 +1,132 @@
+"""The body of `POST /v1/images/generations` and its checks: every refusal happens here, on rank 0, before the
+request queues, with the same rules (and the same messages) as a `.jsonl` line of the `generate` job.
+
+A body becomes the job's own `Request`s (one per image, seeds `seed .. seed + n - 1`), so an image the server makes
+is the image the job makes for the same settings, and carries the same text chunks (settings key included).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..checkpoint import Checkpoint
+from ..job import Request, build_requests, call_kwargs, settings_text
+from ..outputs import model_identity, settings_key
+from ..pipelines.base import MAX_SEED, SizeLimits
+
+#: The most images one request may ask for (OpenAI's own limit for `n`).
+MAX_IMAGES = 10
+#: Longer prompts are refused before any tokenizer sees them (each family's buckets cap the tokens anyway).
+MAX_PROMPT_CHARS = 20_000
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class ImageRequest(BaseModel):
+    """OpenAI's image-generation fields, plus the pipeline settings a diffusion model needs. Unknown fields and
+    values of the wrong JSON type are refused (strict): a typo must not silently fall back to a default."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    #: Accepted because OpenAI's clients send it; the server serves the one model it was started with.
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_IMAGES)
+    size: str | None = Field(None, pattern=r"^[0-9]{1,6}x[0-9]{1,6}$", description="WIDTHxHEIGHT, e.g. 1024x768")
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    user: str | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: FiniteFloat | None = None
+    true_cfg_scale: FiniteFloat | None = None
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the server checks requests against (all of it known before the process group starts)."""
+
+    checkpoint: Checkpoint
+    limits: SizeLimits
+    default_size: tuple[int, int]  # (height, width)
+    default_steps: int
+    max_steps: int
+    max_pixels: int
+    tp: int
+    replicas: int
+    cfg: int
+    dtype: str
+    #: With `--compile`: the warmed (height, width) sizes, the only ones served (no request may recompile).
+    sizes: tuple[tuple[int, int], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Work:
+    """One accepted request: the job's `Request` per image and what a replica needs to make them."""
+
+    requests: list[Request]
+    response_format: str
+    #: The PNG text chunks of each image, made on rank 0 and written by the replica's leader.
+    texts: list[dict]
+    #: The stock pipeline call's kwargs (size, steps, guidance), the same for every image of the request.
+    kwargs: dict
+
+    def task(self) -> dict:
+        """What travels to the replica: the arguments of one `generate` call, the same on every rank."""
+        first = self.requests[0]
+        return {"prompts": [r.prompt for r in self.requests], "seed": first.seed,
+                "negative_prompt": first.negative_prompt, "kwargs": self.kwargs, "texts": self.texts}
+
+
+def plan_work(body: ImageRequest, config: ServeConfig) -> Work:
+    """Check `body` against the model and the server's limits; raise a `ValueError` saying what and how to fix."""
+    adapter = config.checkpoint.adapter
+    height, width = config.default_size
+    if body.size is not None:
+        width, height = (int(side) for side in body.size.split("x"))
+    if config.sizes is not None and (height, width) not in config.sizes:
+        allowed = ", ".join(f"{w}x{h}" for h, w in config.sizes)
+        raise ValueError(f"size {width}x{height} is not served: the model was compiled for {allowed} only (a new "
+                         "size would recompile it mid-request). Ask for one of those, or restart the server with "
+                         "--sizes including it.")
+    steps = config.default_steps if body.num_inference_steps is None else body.num_inference_steps
+    if steps > config.max_steps:
+        raise ValueError(f"num_inference_steps {steps} is above this server's limit of {config.max_steps} "
+                         "(--max-steps).")
+    entry = {"prompt": body.prompt, "height": height, "width": width, "_where": "request"}
+    if body.negative_prompt is not None:
+        entry["negative_prompt"] = body.negative_prompt
+    entry.update(_guidance(body, adapter))
+    seed = secrets.randbelow(2**32) if body.seed is None else body.seed
+    requests = build_requests([entry] * body.n, seed=seed, height=height, width=width, steps=steps, guidance=None,
+                              negative_prompt=None, limits=config.limits, adapter=adapter,
+                              max_pixels=config.max_pixels)
+    cfg = 2 if config.cfg > 1 and adapter.uses_true_cfg(requests[0].negative_prompt,
+                                                         call_kwargs(requests[0], adapter)) else 1
+    model = model_identity(config.checkpoint.source)
+    texts = [settings_text(r, model=config.checkpoint.source, pipeline=config.checkpoint.pipeline_class, tp=config.tp,
+                           dp=config.replicas, cfg=cfg, dtype=config.dtype, loras=[],
+                           key=settings_key(r, model=model, dtype=config.dtype))
+             for r in requests]
+    return Work(requests, body.response_format, texts, call_kwargs(requests[0], adapter))
+
+
+def _guidance(body: ImageRequest, adapter) -> dict:
+    """The job's per-line `guidance` / `true_cfg_scale` for this body: `guidance` is whatever the family's
+    `guidance_kwarg` is (FLUX.1: guidance_scale; Qwen-Image: true_cfg_scale), `true_cfg_scale` only FLUX.1's."""
+    entry = {}
+    given = [name for name in ("guidance_scale", "true_cfg_scale") if getattr(body, name) is not None]
+    if given and adapter.guidance_kwarg is None:
+        raise ValueError(f"{adapter.pipeline_class} is guidance-distilled: drop {' and '.join(given)}.")
+    if body.guidance_scale is not None:
+        if adapter.guidance_kwarg == "true_cfg_scale":
+            raise ValueError(f"{adapter.pipeline_class} takes its guidance as true_cfg_scale: send true_cfg_scale "
+                             "instead of guidance_scale.")
+        entry["guidance"] = body.guidance_scale
+    if body.true_cfg_scale is not None:
+        entry["guidance" if adapter.guidance_kwarg == "true_cfg_scale" else "true_cfg_scale"] = body.true_cfg_scale
+    return entry

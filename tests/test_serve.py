@@ -1,0 +1,226 @@
+"""`neuron-diffusers serve`: request checks and the HTTP layer in one process, then the real server under torchrun
+(TP=2) in one fat test: the CLI job's image for the same seed, concurrency, refusals, a full queue, SIGTERM."""
+
+import asyncio
+import base64
+import io
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from torch.distributed import HashStore
+
+from neuron_diffusers.checkpoint import resolve
+from neuron_diffusers.cli import main
+from neuron_diffusers.job import Request, settings_text
+from neuron_diffusers.media import png_bytes
+from neuron_diffusers.outputs import model_identity, settings_key
+from neuron_diffusers.serve.app import GENERATIONS, build_app
+from neuron_diffusers.serve.channel import Channel
+from neuron_diffusers.serve.metrics import Metrics
+from neuron_diffusers.serve.request import ImageRequest, ServeConfig, plan_work
+from neuron_diffusers.serve.scheduler import Scheduler
+from neuron_diffusers.tools.bench.serve import ServerProcess
+
+
+def _config(model="flux", sizes=None, cfg=1):
+    checkpoint = resolve(model)
+    return ServeConfig(checkpoint, checkpoint.adapter.size_limits(checkpoint), (32, 32), 2, 50, 2048 * 2048, 2, 1,
+                       cfg, "float32", sizes=sizes)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "a fox", "size": "100000x100000"}, "larger than this model"),
+    ({"prompt": "a fox", "size": "33x32"}, "multiples of 16"),
+    ({"prompt": "a fox", "num_inference_steps": 51}, "--max-steps"),
+    ({"prompt": "a \ud800 fox"}, "unicode string"),  # pydantic refuses it itself
+    ({"prompt": "a \x00 fox"}, "NUL"),
+    ({"prompt": "   "}, "empty"),
+    ({"prompt": "a fox", "seed": 2**64 - 1, "n": 2}, "64-bit"),
+])
+def test_bad_requests_are_refused_before_they_queue(body, message):
+    with pytest.raises(ValueError, match=message):
+        plan_work(ImageRequest.model_validate(body), _config())
+
+
+def test_family_rules_and_compiled_sizes():
+    with pytest.raises(ValueError, match="send true_cfg_scale"):
+        plan_work(ImageRequest(prompt="a fox", guidance_scale=4.0), _config("qwenimage"))
+    with pytest.raises(ValueError, match="guidance-distilled"):
+        plan_work(ImageRequest(prompt="a fox", negative_prompt="blur"), _config("flux2"))
+    with pytest.raises(ValueError, match="compiled for 64x32 only"):
+        plan_work(ImageRequest(prompt="a fox", size="32x32"), _config(sizes=((32, 64),)))
+    work = plan_work(ImageRequest(prompt="a fox", size="64x32"), _config(sizes=((32, 64),)))
+    assert work.kwargs == {"height": 32, "width": 64, "num_inference_steps": 2}
+    # Qwen-Image's guidance is its true_cfg_scale: the job's `guidance`; on a CFG-pair mesh it runs as a pair.
+    work = plan_work(ImageRequest(prompt="a fox", negative_prompt="blur", true_cfg_scale=3.0),
+                     _config("qwenimage", cfg=2))
+    assert work.kwargs["true_cfg_scale"] == 3.0 and work.texts[0]["cfg"] == "2"
+
+
+def test_a_request_is_the_jobs_request_with_the_same_text_chunks():
+    work = plan_work(ImageRequest(prompt="a red fox", n=3, seed=7, guidance_scale=3.5), _config())
+    assert [r.seed for r in work.requests] == [7, 8, 9]
+    job_request = Request(index=1, prompt="a red fox", negative_prompt=None, seed=8, height=32, width=32, steps=2,
+                          guidance=3.5)
+    assert work.requests[1] == job_request
+    key = settings_key(job_request, model=model_identity("flux"), dtype="float32")
+    assert work.texts[1] == settings_text(job_request, model="flux", pipeline="FluxPipeline", tp=2, dp=1, cfg=1,
+                                          dtype="float32", loras=[], key=key)
+    task = work.task()
+    assert task["prompts"] == ["a red fox"] * 3 and task["seed"] == 7
+    assert task["kwargs"] == {"height": 32, "width": 32, "num_inference_steps": 2, "guidance_scale": 3.5}
+
+
+def _fake_replica(channel: Channel, count: int):
+    """Answers `count` tasks as a replica's leader would: one PNG per prompt, with the task's text chunks."""
+    for number in range(1, count + 1):
+        task = channel.receive_task(number)
+        image = Image.new("RGB", (task["kwargs"]["width"], task["kwargs"]["height"]), "red")
+        channel.send_result(number, {"images": [png_bytes(image, text) for text in task["texts"]],
+                                     "phases": {"generate": 0.01}})
+
+
+def test_http_layer_answers_refuses_and_queues_in_one_process():
+    store = HashStore()
+    metrics = Metrics()
+    scheduler = Scheduler([Channel(0, store)], max_queue=1, metrics=metrics)
+    client = TestClient(build_app(_config(), scheduler, metrics, request_timeout_s=0.5))
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").status_code == 503
+    assert client.post(GENERATIONS, json={"prompt": "a fox"}).status_code == 503  # still loading
+    scheduler.ready.set()
+
+    for body, expected in [('{"prompt": "a fox"', "not valid JSON"), ('{"prompt": "a fox", "colour": 1}', "colour"),
+                           ('{"prompt": "a fox", "n": "2"}', "n: Input should be a valid integer"),
+                           ('{"prompt": "a fox", "guidance_scale": NaN}', "finite"),
+                           ('{"prompt": "a fox", "size": "big"}', "size")]:
+        response = client.post(GENERATIONS, content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400, body
+        assert expected in response.json()["error"]["message"] and response.json()["error"]["type"] == \
+            "invalid_request_error"
+
+    # No dispatcher runs yet: the first request waits in the queue (504 after the request timeout), the next finds
+    # the queue full.
+    assert client.post(GENERATIONS, json={"prompt": "a fox"}).status_code == 504
+    full = client.post(GENERATIONS, json={"prompt": "a fox"})
+    assert full.status_code == 429 and int(full.headers["retry-after"]) >= 1
+
+    replica = threading.Thread(target=_fake_replica, args=(Channel(0, store), 2))
+    replica.start()
+    scheduler.start()
+    for _ in range(100):  # the queued request is taken (its client is gone: it still runs, nothing breaks)
+        if scheduler.queue.qsize() == 0:
+            break
+        time.sleep(0.05)
+    answer = client.post(GENERATIONS, json={"prompt": "a fox", "seed": 5, "response_format": "url"})
+    replica.join(10)
+    assert answer.status_code == 200, answer.text
+    item = answer.json()["data"][0]
+    assert item["seed"] == 5 and item["url"].startswith("data:image/png;base64,")
+    image = Image.open(io.BytesIO(base64.b64decode(item["url"].partition(",")[2])))
+    assert image.size == (32, 32) and image.text["seed"] == "5"
+    metrics_text = client.get("/metrics").text
+    assert "neuron_diffusers_images_total 1.0" in metrics_text
+    assert 'neuron_diffusers_errors_total{kind="queue_full"} 1.0' in metrics_text
+    scheduler.stop()
+    assert Channel(0, store).receive_task(3) == {"stop": True}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--compile", "--port", "0"], "--sizes"),
+    (["serve", "--model", "h3", "--port", "0"], "generate"),
+    (["serve", "--sizes", "32x33", "--port", "0"], "multiples of 16"),
+    (["bench", "serve", "--requests", "2000"], "bounded"),
+])
+def test_bad_command_lines_exit_2_before_anything_starts(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def _b64_pixels(item) -> tuple[np.ndarray, dict]:
+    image = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
+    return np.asarray(image.convert("RGB")), image.text
+
+
+def test_server_under_torchrun_tp2(tmp_path):
+    # The CLI job's image, to compare the server's with.
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
+                          "neuron_diffusers", "generate", "--prompt", "a red fox", "--seed", "7", "--steps", "2",
+                          "--tp", "2", "--out", str(tmp_path / "job")], capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    job_image = Image.open(tmp_path / "job" / "00000-a-red-fox.png")
+
+    server = ServerProcess(2, ["--tp", "2", "--steps", "2", "--max-queue", "5"])
+    try:
+        server.wait_ready()
+        url = server.url + GENERATIONS
+        with httpx.Client(timeout=120) as client:
+            first = client.post(url, json={"prompt": "a red fox", "seed": 7})
+            assert first.status_code == 200, first.text
+            pixels, text = _b64_pixels(first.json()["data"][0])
+            assert np.array_equal(pixels, np.asarray(job_image.convert("RGB"))), "not the CLI job's image"
+            assert text["settings_digest"] == job_image.text["settings_digest"] and text["tp"] == "2"
+
+            refused = [client.post(url, content=b'{"prompt": "a fox",', headers={"content-type": "application/json"}),
+                       client.post(url, json={"prompt": "a fox", "size": "100000x100000"}),
+                       client.post(url, json={"prompt": "a fox", "steps": 2})]
+            assert [r.status_code for r in refused] == [400, 400, 400]
+            assert all(r.json()["error"]["message"] for r in refused)
+            assert client.post(url, json={"prompt": "a fox", "seed": 1}).status_code == 200
+
+        async_answers = _concurrent(url, [{"prompt": f"fox {i}", "seed": i} for i in range(6)])
+        assert [r.status_code for r in async_answers] == [200] * 6
+        seeds = [r.json()["data"][0]["seed"] for r in async_answers]
+        assert seeds == list(range(6))
+
+        # A slow request keeps the replica busy while a burst fills the queue (5): the rest are answered 429.
+        burst = _concurrent(url, [{"prompt": "slow fox", "num_inference_steps": 40}]
+                            + [{"prompt": f"fox {i}"} for i in range(11)], stagger_s=0.3)
+        codes = [r.status_code for r in burst]
+        assert codes[0] == 200 and 429 in codes and set(codes) == {200, 429}, codes
+        assert all(r.headers["retry-after"].isdigit() for r in burst if r.status_code == 429)
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'neuron_diffusers_errors_total{kind="queue_full"}' in metrics
+
+        # SIGTERM while a request is in flight: it is answered, and every rank exits 0 (so does torchrun).
+        in_flight = []
+        sender = threading.Thread(target=lambda: in_flight.extend(
+            _concurrent(url, [{"prompt": "last fox", "num_inference_steps": 20}])))
+        sender.start()
+        _wait_busy(server.url)
+        code = server.stop(ranks_only=True)
+        sender.join(60)
+        assert [r.status_code for r in in_flight] == [200]
+        assert code == 0, "".join(server.lines[-40:])
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+
+
+def _concurrent(url, bodies, stagger_s=0.0):
+    """POST every body at once (the first `stagger_s` ahead of the others), answers in order."""
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            first = asyncio.ensure_future(client.post(url, json=bodies[0]))
+            await asyncio.sleep(stagger_s)
+            rest = await asyncio.gather(*(client.post(url, json=body) for body in bodies[1:]))
+            return [await first, *rest]
+
+    return asyncio.run(run())
+
+
+def _wait_busy(base_url, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if "neuron_diffusers_busy_replicas 1.0" in httpx.get(base_url + "/metrics").text:
+            return
+        time.sleep(0.05)
+    raise AssertionError("no request became busy")
+
