@@ -11,6 +11,7 @@ from neuron_diffusers.parallel.rules import collectives_per_forward
 from neuron_diffusers.tools.plan.layout_report import layouts_report
 from neuron_diffusers.tools.plan.meta import meta_transformer
 from neuron_diffusers.tools.plan.profiles import PROFILES
+from neuron_diffusers.tools.plan.trace import trace
 
 # Rows of the main attention per forward, from the released geometry: FLUX.1 / FLUX.2 1024x1024 = 64 x 64 tokens of
 # 16 px + 512 text; Qwen-Image 4096 + its 64-row text bucket; H3 1344x768 x 124 frames = 37 latent frames x
@@ -18,6 +19,7 @@ from neuron_diffusers.tools.plan.profiles import PROFILES
 SIZES = {"flux": "1024x1024", "flux2": "1024x1024", "qwenimage": "1024x1024", "qwenimage21": "1024x1024",
          "h3": "1344x768"}
 ATTENTION_ROWS = {"flux": 4608, "flux2": 4608, "qwenimage": 4160, "h3": 37 * 42 * 24 + 2 * 207 + 64}
+TRN2_MEMORY_GIB = 24
 
 
 def _report(capsys, *args) -> dict:
@@ -44,7 +46,8 @@ def test_layout_rules():
 
 @pytest.mark.parametrize("family", families.PIPELINE_FAMILIES)
 def test_every_family_fills_64_ranks_with_one_image(capsys, family):
-    report = _report(capsys, "--model", family, "--cores", "64", "--size", SIZES[family])
+    profile = ["--profile", "trn2"] if family == "h3" else []
+    report = _report(capsys, "--model", family, "--cores", "64", "--size", SIZES[family], *profile)
     rows = report["layouts"]
     assert rows and all(row["dp"] * row["ranks_per_image"] == 64 for row in rows)
     one_image = [row for row in rows if row["dp"] == 1]
@@ -52,8 +55,24 @@ def test_every_family_fills_64_ranks_with_one_image(capsys, family):
     assert all(row["weights_gib_bf16"] > 0 and row["tflop"] > 0 for row in rows)
     if family in ATTENTION_ROWS:
         assert report["attention_rows"] == ATTENTION_ROWS[family]
+    if family == "qwenimage":
+        # Its _cp_plan splits at the first block: the input projections run on the whole sequence, the blocks and
+        # the output Linear (where diffusers gathers) on the split one.
+        forward = trace(families.get(family), 1024, 1024).step[0]
+        assert not forward.linears["img_in"][0].split and not forward.linears["txt_in"][0].split
+        assert forward.linears["transformer_blocks.*.attn.to_q"][0].split and forward.linears["proj_out"][0].split
+    if family == "h3":
+        # 37,774 packed rows = 2 x 11 x 17 x 101: a context split of 4 or more needs padding; its bucketed text is
+        # masked, so every ring layout is flagged; 61.7 GiB of weights fit a 24 GiB core only at tp >= 4.
+        assert report["split_lengths"] == [ATTENTION_ROWS["h3"]] and report["masked_attention"]
+        for row in rows:
+            context = row["ring"] * row["ulysses"]
+            assert ("pad" in row["notes"]) == (ATTENTION_ROWS["h3"] % context != 0), row
+            assert ("ring+mask" in row["notes"]) == (row["ring"] > 1), row
+            assert ("no-fit" in row["notes"]) == (row["weights_gib_bf16"] > TRN2_MEMORY_GIB), row
+        assert {row["tp"] for row in rows if "no-fit" not in row["notes"]} == {4, 8}
     if family == "qwenimage21":
-        # 32 heads: without ring (refused for its masked attention), 64 ranks need the CFG pair.
+        # 32 heads: tp x ulysses <= 32, so 64 ranks on one image need ring, or the CFG pair with true CFG.
         assert all(row["ring"] > 1 for row in one_image)
         cfg = _report(capsys, "--model", family, "--cores", "64", "--true-cfg")
         assert any(row["dp"] == 1 and row["cfg"] == 2 and row["ring"] == 1 for row in cfg["layouts"])
@@ -82,6 +101,18 @@ def test_costs_follow_the_layout(capsys):
     assert ulysses8["sent_gb"]["all_to_all"] * 1e9 == pytest.approx(57 * 4 * local * 7 / 8)
     assert ring8["sent_gb"]["ring"] * 1e9 == pytest.approx(57 * 2 * local * 7)
     assert ring8["notes"] == [] and tp8["notes"] == []
+    # The estimate: FLOPs at peak, plus latency and bytes over the link for every collective, nothing overlapped.
+    trn2 = PROFILES["trn2"]
+    assert tp8["seconds"]["compute"] == pytest.approx(tp8["tflop"] * 1e12 / trn2.peak_flops.value)
+    assert tp8["seconds"]["all_reduce"] == pytest.approx(
+        76 * trn2.latency.value + tp8["sent_gb"]["all_reduce"] * 1e9 / trn2.bandwidth.value)
+    assert tp8["seconds"]["total"] == pytest.approx(sum(v for k, v in tp8["seconds"].items() if k != "total"))
+    # The table: one line per layout, under its header.
+    assert main(["plan", "report", "--model", "flux", "--cores", "8"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].endswith(f"{len(rows)} layouts of 8 ranks")
+    printed = [tuple(map(int, line.split()[:5])) for line in table if line[:7].strip().isdigit()]
+    assert sorted(printed) == sorted(rows) and all(line == line.rstrip() for line in table)
 
 
 def test_profiles_name_their_sources():

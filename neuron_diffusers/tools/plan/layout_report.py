@@ -129,7 +129,7 @@ def format_layouts(report: dict) -> str:
         line += "".join(f"{row['sent_gb'][kind]:>11.3f}" for kind in KINDS)
         line += f"{sum(row['collectives'].values()):>7}"
         line += f"{row['seconds']['total']:>8.3f}" if report["profile"] else ""
-        lines.append("  " + line + "  " + ", ".join(row["notes"]))
+        lines.append(f"  {line}  {', '.join(row['notes'])}".rstrip())
     used = sorted({note for row in report["layouts"] for note in row["notes"]})
     lines += ["", *(f"  {note}: {report['notes'][note]}" for note in used)]
     return "\n".join(lines)
