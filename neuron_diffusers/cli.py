@@ -22,7 +22,8 @@ COMMANDS = {
     "serve": ("serve.command", "an OpenAI-style image API on rank 0; every replica of the mesh serves requests"),
     "tiny": ("tiny", "build a tiny random checkpoint of a family, offline"),
     "compare": ("tools.compare", "PSNR and SSIM of two images, or of two output folders (e.g. cached vs not)"),
-    "plan report": ("tools.plan.report", "per-rank memory and collectives of a plan at a TP degree"),
+    "plan report": ("tools.plan.report", "per-rank memory and collectives of a plan at a TP degree, or every "
+                                         "(dp, cfg, ring, ulysses, tp) layout of N cores with its per-rank costs"),
     "plan check": ("tools.plan.check", "lint a plan against a model's module tree (meta device, no weights); "
                                        "exit 1 on errors"),
     "plan verify": ("tools.plan.verify", "tiny random model: TP=N vs one process on spawned CPU ranks; exit 1 above "

@@ -369,6 +369,11 @@ def tp_plan_of(cls) -> dict | None:
     return cls._tp_plan
 
 
+def cp_plan_of(cls) -> dict | None:
+    """The context-parallel plan (`_cp_plan`) diffusers splits `cls`'s sequence with (None: the class has none)."""
+    return getattr(cls, "_cp_plan", None)
+
+
 def stock_plan(cls) -> dict | None:
     """The plan diffusers ships for `cls` (None for a class it does not plan)."""
     return _STOCK_PLANS[cls.__name__] if cls.__name__ in _STOCK_PLANS else cls._tp_plan

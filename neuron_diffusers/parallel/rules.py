@@ -105,22 +105,29 @@ def style_kind(style) -> str | None:
     return None
 
 
-def collectives_per_forward(model: torch.nn.Module, plan: dict) -> dict[str, int]:
-    """All-reduces and all-gathers one forward issues, assuming every planned Linear runs once per forward.
+def collective_groups(model: torch.nn.Module, plan: dict) -> list[tuple[str, list[Target]]]:
+    """One `("all_reduce" | "all_gather", targets)` per collective a forward issues, in plan order, assuming every
+    planned Linear runs once per forward.
 
     One per module a rule matches, except for the coalescing styles: partial sums share one all-reduce per block and
-    reduction point, hoisted modulation one all-gather per hoist source.
+    reduction point, hoisted modulation one all-gather per hoist source. `targets` are the Linears whose outputs that
+    one collective carries (several for the coalesced ones).
     """
-    counts = {"all_reduce": 0, "all_gather": 0}
-    shared = set()
-    for target in expand(model, plan):
+    groups: dict[tuple, tuple[str, list[Target]]] = {}
+    for index, target in enumerate(expand(model, plan)):
         kind = {"rowwise": "all_reduce", "gathered": "all_gather"}.get(style_kind(target.style))
+        if kind is None:
+            continue
         hoisted = getattr(target.style, "hoist_from", None)
         reduced_at = getattr(target.style, "reduced_at", None)
-        key = ("hoist", hoisted) if hoisted else ("reduce", target.block_name, reduced_at) if reduced_at else None
-        if kind is None or key in shared:
-            continue
-        if key is not None:
-            shared.add(key)
+        key = ("hoist", hoisted) if hoisted else ("reduce", target.block_name, reduced_at) if reduced_at else index
+        groups.setdefault(key, (kind, []))[1].append(target)
+    return list(groups.values())
+
+
+def collectives_per_forward(model: torch.nn.Module, plan: dict) -> dict[str, int]:
+    """All-reduces and all-gathers one forward issues (`collective_groups`, counted)."""
+    counts = {"all_reduce": 0, "all_gather": 0}
+    for kind, _ in collective_groups(model, plan):
         counts[kind] += 1
     return counts

@@ -19,7 +19,7 @@ from pathlib import Path
 from ... import families
 from ...parallel.patches import stock_plan
 from ..plan.meta import meta_transformer
-from ..plan.report import BF16_BYTES, GIB, per_rank_params, plan_dict
+from ..plan.sharding import BF16_BYTES, GIB, per_rank_params, plan_dict
 from . import plot, rss
 
 DEGREES = (1, 2, 4, 8)

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from ...parallel import lora
 from ...parallel.patches import shard_specs
-from ..plan.report import BF16_BYTES, held_params, plan_dict, planned_model
+from ..plan.sharding import BF16_BYTES, held_params, plan_dict, planned_model
 from ..spawn import run_on_cpu_ranks
 
 CONFIG = dict(num_attention_heads=16, attention_head_dim=128, num_layers=1, num_single_layers=2,

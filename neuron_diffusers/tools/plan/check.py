@@ -23,7 +23,8 @@ from ...parallel import coalesce
 from ...parallel.patches import shard_specs
 from ...parallel.rules import expand, expand_rule, style_kind
 from .meta import meta_transformer
-from .report import human_params, param_group, valid_tp_degrees
+from .report import human_params, param_group
+from .sharding import valid_tp_degrees
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ each `GatheredColwiseParallel` Linear one all-gather per call, except hoisted on
 per `hoist_from` module. **Every planned Linear (and hoist source) is assumed to run once per
 transformer forward** (true of the five supported transformers, whose forward visits each block
 once). `bench collectives` checks these counts at run time.
+
+`plan report --cores N` reports layouts instead (`layout_report.py`): every (dp, cfg, ring, ulysses, tp) of N
+ranks with its weights, FLOPs and bytes per rank and step.
 """
 
 from __future__ import annotations
@@ -23,67 +26,19 @@ import re
 import torch
 
 from ...cli import positive_int
-from ...distributed import divisors
-from ...families import Family
-from ...parallel.patches import shard_specs, stock_plan
 from ...parallel.rules import collectives_per_forward
-from .meta import MetaModel, meta_transformer
-
-PLANS = ("ours", "stock")
-BF16_BYTES = 2
-GIB = 2**30
-
-
-def planned_model(model: str) -> MetaModel:
-    """`meta_transformer(model)`, refused unless one of our families plans its class."""
-    meta = meta_transformer(model)
-    if meta.family is None:
-        raise ValueError(f"{model} has a {type(meta.module).__name__} transformer, which has no tensor-parallel plan "
-                         f"here. Plan one first (docs/authoring.md), or use `plan check` with a plan file.")
-    return meta
-
-
-def plan_dict(family: Family, plan: str) -> dict:
-    """The plan named `plan` ("ours" or "stock") for `family`'s transformer."""
-    if plan not in PLANS:
-        raise ValueError(f"Unknown plan '{plan}': choose one of {', '.join(PLANS)}.")
-    if plan == "ours":
-        return family.plan
-    stock = stock_plan(family.model_class())
-    if stock is None:
-        raise ValueError(f"diffusers ships no tensor-parallel plan for {family.model_class_name} ({family.name}): "
-                         "stock loads the full model on every rank. Use --plan ours.")
-    return stock
-
-
-def sharded_names(model: torch.nn.Module, plan: dict | None, tp: int) -> set[str]:
-    """Parameters `plan` splits across ranks (`None`: no plan; a rowwise bias has `dim=None`: replicated)."""
-    specs = shard_specs(model, plan, tp) if plan else {}
-    return {name for name, spec in specs.items() if spec.dim is not None}
-
-
-def per_rank_params(model: torch.nn.Module, plan: dict | None, tp: int) -> int:
-    """Parameters one rank holds under `plan` (`None`: no plan, the whole model on every rank)."""
-    return held_params(model, sharded_names(model, plan, tp), tp)
-
-
-def held_params(model: torch.nn.Module, sharded: set[str], tp: int) -> int:
-    """Parameters one rank holds when the parameters named in `sharded` are split `tp` ways."""
-    return sum(p.numel() // tp if name in sharded else p.numel() for name, p in model.named_parameters())
-
-
-def valid_tp_degrees(model: torch.nn.Module, plan: dict) -> list[int]:
-    """Degrees dividing the attention heads for which every sharded block splits evenly."""
-    shard_specs(model, plan, 1)  # a plan that does not fit the model fails here, loudly
-    heads = model.config.num_attention_heads
-    valid = [1]
-    for degree in divisors(heads)[1:]:
-        try:
-            shard_specs(model, plan, degree)
-        except ValueError:
-            continue
-        valid.append(degree)
-    return valid
+from .layout_report import DEFAULT_SIZE, format_layouts, layouts_report
+from .profiles import PROFILES
+from .sharding import (
+    BF16_BYTES,
+    GIB,
+    PLANS,
+    held_params,
+    plan_dict,
+    planned_model,
+    sharded_names,
+    valid_tp_degrees,
+)
 
 
 def param_group(param_name: str) -> str:
@@ -187,14 +142,41 @@ def format_report(report: dict, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def image_size(value: str) -> tuple[int, int]:
+    """An argparse type: `WIDTHxHEIGHT` in pixels."""
+    width, x, height = value.lower().partition("x")
+    if not (x and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT in pixels, e.g. 1344x768, got '{value}'")
+    return int(width), int(height)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="family name (full-size default config) or checkpoint folder (its transformer config)")
-    parser.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel degree")
+    degree = parser.add_mutually_exclusive_group(required=True)
+    degree.add_argument("--tp", type=positive_int, help="tensor-parallel degree: memory and collectives of the plan")
+    degree.add_argument("--cores", type=positive_int,
+                        help="ranks: every valid (dp, cfg, ring, ulysses, tp) layout with its per-rank costs")
     parser.add_argument("--plan", choices=PLANS, default="ours")
+    parser.add_argument("--size", type=image_size, help="with --cores: WIDTHxHEIGHT of the image or video "
+                                                        "(default 1024x1024; MiniMax-H3 videos have 124 frames)")
+    parser.add_argument("--true-cfg", action="store_true",
+                        help="with --cores: a call with true classifier-free guidance (two forwards per step)")
+    parser.add_argument("--profile", choices=sorted(PROFILES),
+                        help="with --cores: estimate the step time on this hardware (figures and sources: "
+                             "docs/layouts.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def main(args: argparse.Namespace) -> None:
-    report = plan_report(args.model, args.tp, args.plan)
-    print(json.dumps(report) if args.json else format_report(report))
+    if args.cores is None:
+        extra = [flag for flag, value in (("--size", args.size), ("--true-cfg", args.true_cfg),
+                                          ("--profile", args.profile)) if value]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} only apply to layouts: pass --cores N instead of --tp.")
+        report = plan_report(args.model, args.tp, args.plan)
+        print(json.dumps(report) if args.json else format_report(report))
+        return
+    report = layouts_report(args.model, args.cores, args.size or DEFAULT_SIZE, plan=args.plan,
+                            true_cfg=args.true_cfg, hardware=args.profile)
+    print(json.dumps(report) if args.json else format_layouts(report))

@@ -27,7 +27,7 @@ from ..spawn import run_on_cpu_ranks
 from .cases import Case, build_case, predictions
 from .check import add_plan_argument, load_plan, model_for
 from .meta import meta_transformer
-from .report import valid_tp_degrees
+from .sharding import valid_tp_degrees
 
 DEFAULT_DEGREES = (2, 4)
 DEFAULT_TOLERANCE = 1e-5

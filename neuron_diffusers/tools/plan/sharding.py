@@ -1,0 +1,72 @@
+"""What a plan shards on a model: the helpers every plan tool shares (`plan report`, its layouts, `plan check`,
+`plan verify`, `bench memory`).
+
+All of it runs on meta-device models (`meta.py`) through diffusers' own `resolve_tp_shard_specs`
+(`patches.shard_specs`), the function the loader streams each rank's slice with, so the figures are what a load would
+place on a rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...distributed import divisors
+from ...families import Family
+from ...parallel.patches import shard_specs, stock_plan
+from .meta import MetaModel, meta_transformer
+
+PLANS = ("ours", "stock")
+BF16_BYTES = 2
+GIB = 2**30
+
+
+def planned_model(model: str) -> MetaModel:
+    """`meta_transformer(model)`, refused unless one of our families plans its class."""
+    meta = meta_transformer(model)
+    if meta.family is None:
+        raise ValueError(f"{model} has a {type(meta.module).__name__} transformer, which has no tensor-parallel plan "
+                         f"here. Plan one first (docs/authoring.md), or use `plan check` with a plan file.")
+    return meta
+
+
+def plan_dict(family: Family, plan: str) -> dict:
+    """The plan named `plan` ("ours" or "stock") for `family`'s transformer."""
+    if plan not in PLANS:
+        raise ValueError(f"Unknown plan '{plan}': choose one of {', '.join(PLANS)}.")
+    if plan == "ours":
+        return family.plan
+    stock = stock_plan(family.model_class())
+    if stock is None:
+        raise ValueError(f"diffusers ships no tensor-parallel plan for {family.model_class_name} ({family.name}): "
+                         "stock loads the full model on every rank. Use --plan ours.")
+    return stock
+
+
+def sharded_names(model: torch.nn.Module, plan: dict | None, tp: int) -> set[str]:
+    """Parameters `plan` splits across ranks (`None`: no plan; a rowwise bias has `dim=None`: replicated)."""
+    specs = shard_specs(model, plan, tp) if plan else {}
+    return {name for name, spec in specs.items() if spec.dim is not None}
+
+
+def per_rank_params(model: torch.nn.Module, plan: dict | None, tp: int) -> int:
+    """Parameters one rank holds under `plan` (`None`: no plan, the whole model on every rank)."""
+    return held_params(model, sharded_names(model, plan, tp), tp)
+
+
+def held_params(model: torch.nn.Module, sharded: set[str], tp: int) -> int:
+    """Parameters one rank holds when the parameters named in `sharded` are split `tp` ways."""
+    return sum(p.numel() // tp if name in sharded else p.numel() for name, p in model.named_parameters())
+
+
+def valid_tp_degrees(model: torch.nn.Module, plan: dict) -> list[int]:
+    """Degrees dividing the attention heads for which every sharded block splits evenly."""
+    shard_specs(model, plan, 1)  # a plan that does not fit the model fails here, loudly
+    heads = model.config.num_attention_heads
+    valid = [1]
+    for degree in divisors(heads)[1:]:
+        try:
+            shard_specs(model, plan, degree)
+        except ValueError:
+            continue
+        valid.append(degree)
+    return valid
