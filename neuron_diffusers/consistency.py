@@ -5,7 +5,8 @@ noise still run without error, and the all-reduces blend their images into a pla
 (measured: up to 0.99 pixel difference). Comparing a three-number checksum of the latents across the group costs
 one tiny all-gather, so it runs at the first and last step by default and every `every` steps on request. With CFG
 parallelism the two TP groups of a CFG pair must hold the same latents too (each computes one guidance branch of the
-same image), so the pair is compared as well.
+same image), so the pair is compared as well. Under context parallelism the group is the whole image group (TP x
+ring x Ulysses ranks): the transformer's output is gathered along the sequence, so each of them holds all latents.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ class LatentAgreement:
     float32 additions, while different noise moves them by a large fraction.
     """
 
-    def __init__(self, group, every: int | None = None, rtol: float = 1e-4, cfg_group=None):
-        self.groups = [(group, "tensor-parallel group")] + ([(cfg_group, "CFG pair")] if cfg_group is not None else [])
+    def __init__(self, group, every: int | None = None, rtol: float = 1e-4, cfg_group=None,
+                 group_name: str | None = None):
+        self.groups = [(group, group_name or "tensor-parallel group")] + (
+            [(cfg_group, "CFG pair")] if cfg_group is not None else [])
         self.every = every
         self.rtol = rtol
         self._calls = 0
@@ -60,7 +63,7 @@ class LatentAgreement:
                     raise LatentsDivergedError(
                         f"Latents differ across the {name} at {where}: rank "
                         f"{dist.get_global_rank(group, index)} holds latents with checksum {other.tolist()}, rank "
-                        f"{dist.get_global_rank(group, 0)} holds {reference.tolist()}. Every rank of a {name} must "
+                        f"{dist.get_global_rank(group, 0)} holds {reference.tolist()}. Every rank of the {name} must "
                         "denoise the same noise, otherwise the image comes out silently wrong. Give every rank the "
                         "same `seed` (`generate` seeds a CPU generator with seed + index) and do not pass per-rank "
                         "`generator` or `latents`."

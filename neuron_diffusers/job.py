@@ -38,9 +38,11 @@ from .checkpoint import Checkpoint, resolve
 from .cli import positive_int
 from .compile import compile_repeated_blocks, compile_report, compiled_block_classes, resolve_backend, warmup
 from .distributed import (
+    MESH_ORDERS,
     broadcast_object_from_replica_leader,
     cfg_rank,
     check_cfg_degree,
+    check_cp_degrees,
     check_tp_degree,
     detect_runtime,
     init_distributed,
@@ -49,10 +51,11 @@ from .distributed import (
     is_tp_leader,
 )
 from .media import InputImage, save_json
+from .parallel import context
 from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import check_loras, parse_lora_option
 from .pipelines.image_inputs import check_image_kwargs
-from .runner import load_pipeline
+from .runner import check_context_parallel_call, load_pipeline
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -116,6 +119,20 @@ class JobPlan:
     loras: list = field(default_factory=list)
     #: `--cache`: the diffusers step-cache config every rank installs (None: no cache).
     cache: object = None
+    #: Context parallelism: ranks splitting each image's sequence, any-length mode, and the mesh order.
+    ulysses: int = 1
+    ring: int = 1
+    cp_any_length: bool = False
+    mesh_order: str = "ulysses-inner"
+
+    @property
+    def group(self) -> int:
+        """Ranks that make one image together."""
+        return self.tp * self.ulysses * self.ring
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.group * self.cfg)
 
 
 def read_prompt_file(path: Path) -> list[dict]:
@@ -251,6 +268,8 @@ def settings_text(request: Request, plan: JobPlan, dp: int, cfg: int = 1) -> dic
         "model": plan.checkpoint.source,
         "pipeline": plan.checkpoint.pipeline_class,
         "tp": plan.tp,
+        "ulysses": plan.ulysses,
+        "ring": plan.ring,
         "dp": dp,
         "cfg": cfg,
         "cache": plan.settings.get("cache") or "",
@@ -281,8 +300,10 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     loras = [parse_lora_option(text) for text in args.lora]
     cache = parse_cache_spec(args.cache, steps=args.steps) if args.cache else None
     pairs = 2 if args.cfg_parallel else 1
-    tp = args.tp or max(world_size // pairs, 1)
+    cp = args.ulysses * args.ring
+    tp = args.tp or max(world_size // (pairs * cp), 1)
     check_tp_degree(tp, world_size)
+    check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring)
     checkpoint = resolve(args.model, args.pipeline)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
@@ -291,6 +312,15 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         # Tried on the meta-device transformer (no weights), with the blocks `--compile` would compile.
         meta = checkpoint.meta("transformer")
         check_cache(cache, meta, compiled_block_classes(meta, adapter) if args.compile else None)
+    mode = context.runner_mode(checkpoint.family.display_name, adapter.cp_text, args.ulysses, args.ring,
+                               args.cp_any_length) if cp > 1 else None
+    if mode is not None and mode.any_length and args.compile:
+        raise ValueError(
+            f"--compile with context parallelism needs static shapes, but {checkpoint.family.display_name} would run "
+            f"diffusers' {'ulysses' if mode.ulysses_anything else 'ring'}_anything mode here (any length, a host sync "
+            "per attention call). Drop --compile" + ("" if checkpoint.family.name == "qwenimage21" else
+                                                     ", or --cp-any-length / the ring + padding combination") + "."
+        )
     if args.negative_prompt is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")
     if args.guidance is not None and adapter.guidance_kwarg is None:
@@ -315,29 +345,41 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         raise ValueError(f"--cache {args.cache}: MagCache's schedule is laid out for num_inference_steps="
                          f"{cache.num_inference_steps}, and some requests run another number of steps. Give them all "
                          "the same steps, or run them as separate jobs.")
+    if mode is not None and not mode.any_length:
+        for request in requests:
+            try:
+                check_context_parallel_call(adapter, checkpoint, _call_kwargs(request, adapter), cp)
+            except ValueError as error:
+                raise ValueError(f"Request {request.index} ({request.height}x{request.width}): {error}") from None
     true_cfg = frozenset(r.index for r in requests
                          if adapter.uses_true_cfg(r.negative_prompt, _call_kwargs(r, adapter)))
     notes = []
     if pairs > 1 and not true_cfg:
-        notes.append(_no_pairs_note(adapter, world_size, tp))
+        notes.append(_no_pairs_note(adapter, world_size, tp, cp))
         pairs = 1
     if pairs > 1 and not adapter.names_cfg_branches:
         raise ValueError(f"--cfg-parallel cannot split {adapter.pipeline_class}'s true CFG: it calls its transformer "
                          "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
                          "--cfg-parallel (the requests then run with serial CFG).")
     check_cfg_degree(pairs, tp, world_size)  # only once pairs are known to be needed: a fallback runs on any world
+    if cp > 1:
+        heads = checkpoint.config("transformer").get("num_attention_heads")
+        context.check_layout(checkpoint.family.display_name, heads, world_size, tp=tp, ulysses=args.ulysses,
+                             ring=args.ring, cfg=pairs, ulysses_anything=mode.ulysses_anything)
     check_loras(checkpoint, loras)  # last, the slowest: each file read and checked against the transformer's config
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     return JobPlan(checkpoint, requests, args.out, tp, world_size, dtype,
                    settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=pairs,
-                   true_cfg=true_cfg, notes=notes, loras=[spec.record() for spec in loras], cache=cache)
+                   true_cfg=true_cfg, notes=notes, loras=[spec.record() for spec in loras], cache=cache,
+                   ulysses=args.ulysses, ring=args.ring, cp_any_length=args.cp_any_length, mesh_order=args.mesh_order)
 
 
-def _no_pairs_note(adapter, world_size: int, tp: int) -> str:
+def _no_pairs_note(adapter, world_size: int, tp: int, cp: int = 1) -> str:
     why = ("the model is guidance-distilled" if not adapter.takes_negative_prompt
            else "that needs a negative prompt and a true_cfg_scale above 1")
+    layout = f"tp={tp}" + (f", ulysses x ring={cp}" if cp > 1 else "")
     return (f"--cfg-parallel: no request uses true CFG ({why}), so the transformer runs once per step and the cfg "
-            f"ranks run as data parallelism instead: dp={world_size // tp}, tp={tp}.")
+            f"ranks run as data parallelism instead: dp={world_size // (tp * cp)}, {layout}.")
 
 
 def _check_image_inputs(request: Request, adapter) -> None:
@@ -381,7 +423,8 @@ def pair_work(requests: list[Request], plan: JobPlan, cfg_rank: int) -> list[tup
 def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm: bool, timeout_s: float) -> dict:
     """Generate this process's share of the requests (its replica's, see `pair_work`); rank 0 returns (and writes)
     the summary."""
-    mesh = init_distributed(tp=plan.tp, cfg=plan.cfg, timeout_s=timeout_s)
+    mesh = init_distributed(tp=plan.tp, ulysses=plan.ulysses, ring=plan.ring, cfg=plan.cfg, order=plan.mesh_order,
+                            timeout_s=timeout_s)
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     leader = is_tp_leader(mesh)
     suffix = plan.checkpoint.adapter.output_suffix
@@ -408,7 +451,8 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
 def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compile_backend, warm: bool, dp: int):
     """Load, compile, and generate this TP group's `work`; returns the saved images' records and the phases."""
     pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype),
-                         loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache)
+                         loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache,
+                         cp_any_length=plan.cp_any_length)
     compile_start = time.perf_counter()
     if compile_backend:
         compile_repeated_blocks(pipe, backend=compile_backend)
@@ -549,6 +593,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="true CFG (negative prompt, scale > 1): compute cond and uncond on two TP groups at once; "
                              "needs a multiple of 2 x tp ranks. Requests without true CFG use the pairs as data "
                              "parallelism")
+    parser.add_argument("--ulysses", type=positive_int, default=1,
+                        help="context parallelism: split each image's sequence over N ranks with Ulysses all-to-all "
+                             "(tp x ulysses must divide the attention heads)")
+    parser.add_argument("--ring", type=positive_int, default=1,
+                        help="context parallelism: split each image's sequence over N ranks with ring attention")
+    parser.add_argument("--cp-any-length", action="store_true",
+                        help="with --ulysses or --ring: any image size and prompt length, exactly, in diffusers' "
+                             "*_anything modes (not with --compile)")
+    parser.add_argument("--mesh-order", choices=sorted(MESH_ORDERS), default="ulysses-inner",
+                        help="which ranks are neighbours under context parallelism: ulysses-inner (default: "
+                             "contiguous all-to-all groups, as Neuron needs) or tp-inner (TP all-reduces between "
+                             "neighbours)")
     parser.add_argument("--true-cfg-scale", type=float, default=None,
                         help="FLUX.1's true CFG scale (with --negative-prompt); Qwen-Image / 2.1 take it from "
                              "--guidance")
@@ -571,6 +627,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", action="store_true",
                         help="with --compile: compile the requested size and every text-length bucket before "
                              "generating")
+
+
+def _cp_text(plan: JobPlan) -> str:
+    return f"ulysses={plan.ulysses}, ring={plan.ring}, " if plan.ulysses * plan.ring > 1 else ""
 
 
 def main(args: argparse.Namespace) -> int:
@@ -597,7 +657,7 @@ def main(args: argparse.Namespace) -> int:
             report = {k: v for k, v in summary["compile"].items() if k != "recompile_reasons"}
             print(f"compile report: {json.dumps(report)}")
         print(f"wrote {summary['generated']} of {summary['requests']} to {plan.out_dir} "
-              f"(tp={plan.tp}, cfg={plan.cfg}, dp={plan.world_size // (plan.tp * plan.cfg)}, {plan.dtype}); "
+              f"(tp={plan.tp}, {_cp_text(plan)}cfg={plan.cfg}, dp={plan.dp}, {plan.dtype}); "
               "summary.json", flush=True)
     # Leave together: a rank tearing gloo down while its peer has already exited was seen to abort (SIGABRT,
     # "terminate called without an active exception") after a finished job, and torchrun then reports a failure.
