@@ -29,6 +29,8 @@ COMMANDS = {
     "bench compile": ("tools.bench.compile", "recompiles over a prompt set, stock vs ours; cold compile times"),
     "bench cfg": ("tools.bench.cfg", "step time of CFG-parallel vs serial CFG on the same ranks; forwards"),
     "bench cache": ("tools.bench.cache", "step time and fraction skipped vs threshold at TP=2, beside no cache"),
+    "bench cp": ("tools.bench.context", "one image: step time of TP vs Ulysses vs ring vs one process on the same "
+                                        "ranks; collectives by kind"),
 }
 #: Help for the command groups of two-word commands.
 GROUPS = {"plan": "inspect tensor-parallel plans", "bench": "benchmarks"}
