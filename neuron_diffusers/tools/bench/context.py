@@ -8,8 +8,9 @@ reference). Pick a size where attention dominates (context parallelism splits th
 sequence is long: compute-bound); at tiny sizes every layout is latency-bound and the collectives decide.
 
 A step is the seconds spent in the stock denoising loop (latent output, no decode) divided by the steps, as the mean
-over `--repeats` generations after one warm-up generation. Collectives are counted over one transformer forward of
-a warm-up generation. What it prints is measured, not modelled.
+over `--repeats` generations after one warm-up generation, the four layouts loaded side by side and timed in
+alternation. Collectives are counted over one transformer forward of the warm-up generation. What it prints is
+measured, not modelled.
 """
 
 from __future__ import annotations
@@ -49,26 +50,26 @@ def count_forward(transformer) -> tuple[CollectiveCounter, list]:
     return counter, handles
 
 
-def _measure_layout(model, mesh_kwargs: dict, call: dict, repeats: int) -> dict:
-    """Step seconds and one forward's collectives on this rank, for one layout."""
-    mesh = init_distributed(**mesh_kwargs)
-    pipe = load_pipeline(model, mesh)
-    kwargs = dict(call, output_type="latent")
-    counter, _ = count_forward(pipe.adapter.transformer_of(pipe.pipe))
-    pipe.generate(PROMPT, seed=0, **kwargs)  # warm-up: lazy buffers, allocator; counts the first forward
-    seconds = pipe.times.seconds.get("denoise + decode", 0.0)
-    for _ in range(repeats):
-        pipe.generate(PROMPT, seed=0, **kwargs)
-    steps = call["num_inference_steps"] * repeats
-    return {"step_seconds": (pipe.times.seconds["denoise + decode"] - seconds) / steps,
-            "calls": dict(counter.calls), "bytes": dict(counter.bytes)}
-
-
 def _rank_bench(model, ranks: int, call: dict, repeats: int) -> dict:
+    """Every layout loaded side by side on these ranks, then timed in alternation (one generation of each per
+    round), so load from other processes hits all alike; collectives counted over each one's warm-up forward."""
     torch.set_num_threads(1)
     layouts = {f"tp={ranks}": {"tp": ranks}, f"ulysses={ranks}": {"tp": 1, "ulysses": ranks},
                f"ring={ranks}": {"tp": 1, "ring": ranks}, "one process (tp=1, each rank alone)": {"tp": 1}}
-    return {label: _measure_layout(model, mesh_kwargs, call, repeats) for label, mesh_kwargs in layouts.items()}
+    pipes = {label: load_pipeline(model, init_distributed(**mesh_kwargs)) for label, mesh_kwargs in layouts.items()}
+    kwargs = dict(call, output_type="latent")
+    counters, start = {}, {}
+    for label, pipe in pipes.items():
+        counters[label], _ = count_forward(pipe.adapter.transformer_of(pipe.pipe))
+        pipe.generate(PROMPT, seed=0, **kwargs)  # warm-up: lazy buffers, allocator; counts the first forward
+        start[label] = pipe.times.seconds.get("denoise + decode", 0.0)
+    for _ in range(repeats):
+        for pipe in pipes.values():
+            pipe.generate(PROMPT, seed=0, **kwargs)
+    steps = call["num_inference_steps"] * repeats
+    return {label: {"step_seconds": (pipe.times.seconds["denoise + decode"] - start[label]) / steps,
+                    "calls": dict(counters[label].calls), "bytes": dict(counters[label].bytes)}
+            for label, pipe in pipes.items()}
 
 
 def measure(model: str, ranks: int, steps: int, size: int, repeats: int) -> dict:
@@ -82,15 +83,15 @@ def measure(model: str, ranks: int, steps: int, size: int, repeats: int) -> dict
     return {"model": model, "ranks": ranks, "size": size, "steps": steps, "repeats": repeats, "layouts": per_rank[0]}
 
 
-KINDS = ("all_reduce", "all_gather", "all_to_all", "p2p")
+KINDS = {"all_reduce": "all-reduces", "all_gather": "all-gathers", "all_to_all": "all-to-alls", "p2p": "P2P"}
 
 
 def format_table(result: dict) -> str:
     single = next(v for k, v in result["layouts"].items() if k.startswith("one process"))["step_seconds"]
     rows = [f"one {result['size']}x{result['size']} image on {result['ranks']} CPU ranks (gloo, one thread each), "
-            f"{result['model']}: step time (mean of {result['repeats']} generations of {result['steps']} steps) and "
-            "collectives per transformer forward on rank 0", "",
-            "| layout | s / step | vs one process | " + " | ".join(k.replace("_", "-") + "s" for k in KINDS)
+            f"{result['model']}: step time (mean of {result['repeats']} generations of {result['steps']} steps, "
+            "layouts alternating) and collectives per transformer forward on rank 0", "",
+            "| layout | s / step | vs one process | " + " | ".join(KINDS.values())
             + " | KiB sent |", "|---|---:|---:|" + "---:|" * len(KINDS) + "---:|"]
     for label, figures in result["layouts"].items():
         counts = " | ".join(str(figures["calls"].get(kind, 0)) for kind in KINDS)
