@@ -318,6 +318,7 @@ def cp_job(checkpoints: dict, calls: dict, api_cases: dict, runner: tuple, compi
     imports per rank): diffusers' API, the runner and the job, then compiled under tp=2 x ulysses=2 (last: dynamo's
     state is per process). `seconds` says what each part cost on this rank."""
     import time
+    import traceback
 
     from rank_jobs import compile_checks
 
@@ -327,7 +328,10 @@ def cp_job(checkpoints: dict, calls: dict, api_cases: dict, runner: tuple, compi
                       ("runner", lambda: runner_job(checkpoints, *runner)),
                       ("compiled", lambda: compile_checks(*compiled, mesh_kwargs={"tp": 2, "ulysses": 2}))):
         start = time.perf_counter()
-        report[name] = run()
+        try:
+            report[name] = run()
+        except Exception:  # one part's failure fails its tests (with this text), not every test of the spawn
+            report[name] = {"error": traceback.format_exc()}
         seconds[name] = round(time.perf_counter() - start, 1)
     report["seconds"] = seconds
     return report
