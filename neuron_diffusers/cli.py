@@ -37,6 +37,8 @@ COMMANDS = {
     "bench cache": ("tools.bench.cache", "step time and fraction skipped vs threshold at TP=2, beside no cache"),
     "bench exit": ("tools.bench.exit", "run the README's first command N times; count failed exits and signals"),
     "bench serve": ("tools.bench.serve", "throughput and latency percentiles of `serve` vs the batch job, same mesh"),
+    "bench cp": ("tools.bench.context", "one image: step time of TP vs Ulysses vs ring vs one process on the same "
+                                        "ranks; collectives by kind"),
 }
 #: Help for the command groups of two-word commands.
 GROUPS = {"plan": "inspect tensor-parallel plans", "bench": "benchmarks"}

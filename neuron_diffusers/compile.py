@@ -95,6 +95,7 @@ def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", *, block
     the defaults `fullgraph=True, dynamic=False`. Compile after `load_pipeline`: the TP hooks must be in place first.
     """
     transformer = _transformer_of(pipe_or_transformer)
+    _refuse_any_length(transformer)
     _warn_if_unbucketed(pipe_or_transformer)
     block_classes = compiled_block_classes(transformer, getattr(pipe_or_transformer, "adapter", None), blocks)
     cache = group_cache_of(transformer)
@@ -121,6 +122,20 @@ def compiled_block_classes(transformer: torch.nn.Module, adapter=None, blocks: l
     narrow them to those that run at bucketed shapes, MiniMax-H3: not its refiner), else the model's repeated
     blocks."""
     return list(blocks or getattr(adapter, "compiled_blocks", None) or patches.repeated_blocks(transformer))
+
+
+def _refuse_any_length(transformer: torch.nn.Module) -> None:
+    """diffusers' *_anything context-parallel modes gather each rank's length at every attention call (a host sync
+    that dynamo cannot put in a graph): refuse before compiling rather than fail inside `fullgraph` tracing."""
+    cp = patches.context_parallel_config_of(transformer)
+    if cp is not None and (cp.ulysses_anything or cp.ring_anything):
+        raise ValueError(
+            f"{type(transformer).__name__} runs context parallelism in diffusers' "
+            f"{'ulysses' if cp.ulysses_anything else 'ring'}_anything mode (any sequence length: each attention call "
+            "exchanges the ranks' lengths with a host sync), which does not compile to static graphs. Compile with "
+            "the plain mode (sizes whose sequences split evenly, no `cp_any_length` / --cp-any-length; Qwen-Image-2.1 "
+            "has none: its joint sequence follows the prompt), or run this one uncompiled."
+        )
 
 
 def _warn_if_unbucketed(pipe) -> None:

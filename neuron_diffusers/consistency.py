@@ -14,6 +14,9 @@ collective timeout). Three mechanisms keep it in step:
   exchanged, so every rank raises the same exception and the group stays usable for the next request.
 - `LatentAgreement`: ranks that denoise different latents (silently wrong image), or latents that are NaN or
   infinite (a black image), raise on every rank at the step where it happened.
+
+Under context parallelism the group is the whole image group (TP x ring x Ulysses ranks): the transformer's output
+is gathered along the sequence, so each of them holds all latents.
 """
 
 from __future__ import annotations
@@ -198,8 +201,10 @@ class LatentAgreement:
     float32 additions, while different noise moves them by a large fraction.
     """
 
-    def __init__(self, group, every: int | None = None, rtol: float = 1e-4, cfg_group=None):
-        self.groups = [(group, "tensor-parallel group")] + ([(cfg_group, "CFG pair")] if cfg_group is not None else [])
+    def __init__(self, group, every: int | None = None, rtol: float = 1e-4, cfg_group=None,
+                 group_name: str | None = None):
+        self.groups = [(group, group_name or "tensor-parallel group")] + (
+            [(cfg_group, "CFG pair")] if cfg_group is not None else [])
         self.every = every
         self.rtol = rtol
         self._calls = 0
@@ -221,7 +226,7 @@ class LatentAgreement:
                     raise LatentsDivergedError(
                         f"Latents differ across the {name} at {where}: rank "
                         f"{dist.get_global_rank(group, index)} holds latents with checksum {other.tolist()}, rank "
-                        f"{dist.get_global_rank(group, 0)} holds {reference.tolist()}. Every rank of a {name} must "
+                        f"{dist.get_global_rank(group, 0)} holds {reference.tolist()}. Every rank of the {name} must "
                         "denoise the same noise, otherwise the image comes out silently wrong. Give every rank the "
                         "same `seed` (`generate` seeds a CPU generator with seed + index) and do not pass per-rank "
                         "`generator` or `latents`."

@@ -1,16 +1,24 @@
-"""Process-group start-up from the torchrun environment, and the ("dp", "tp") or ("dp", "cfg", "tp") device mesh.
+"""Process-group start-up from the torchrun environment, and the device mesh every parallelism shares.
 
 One function, `init_distributed`, serves a plain `python` process (world size 1) and every rank of
 `torchrun --nproc_per_node=N [--nnodes=M]` alike, so a script written for N ranks also runs alone.
 
-A *replica* is the set of ranks that shares one `dp` coordinate: one TP group, or with `cfg=2` a CFG pair of TP
-groups that compute the two branches of true classifier-free guidance side by side (see `parallel/cfg.py`).
+An *image group* is the set of ranks that makes one image together: a TP group, times the ring and Ulysses ranks
+of context parallelism (`parallel/context.py`). A *replica* is the set of ranks that shares one `dp` coordinate:
+one image group, or with `cfg=2` a CFG pair of image groups that compute the two branches of true classifier-free
+guidance side by side (see `parallel/cfg.py`).
+
+The mesh has dims ("dp", "tp"), ("dp", "cfg", "tp") with `cfg=2`, and all five of `CP_DIMS` (size 1 allowed) when
+context parallelism is on. Without it the mesh keeps its two or three dims, so code, saved job metadata and
+summaries written for it stay as they are; everything that reads a dimension goes through `dim_size`, which gives
+1 for a dimension the mesh does not have.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -22,6 +30,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DEFAULT_TIMEOUT_S = 600.0
+
+#: The dimensions of a mesh with context parallelism.
+CP_DIMS = ("dp", "cfg", "tp", "ring", "ulysses")
+#: Ulysses innermost, so its all-to-all groups are contiguous runs of ranks (some runtimes, Neuron's among them,
+#: accept only contiguous replica groups for all-to-all), then ring, then TP, whose all-reduces tolerate strided
+#: groups. diffusers PR #14725 (TP + CP in one config) chose the same for the same reason.
+ULYSSES_INNER = ("dp", "cfg", "tp", "ring", "ulysses")
+#: TP innermost: TP's all-reduces (two per block) on neighbouring ranks, the usual choice on NVLink GPUs.
+TP_INNER = ("dp", "cfg", "ring", "ulysses", "tp")
+MESH_ORDERS = {"ulysses-inner": ULYSSES_INNER, "tp-inner": TP_INNER}
 
 
 @dataclass(frozen=True)
@@ -109,20 +127,56 @@ def check_cfg_degree(cfg: int, tp: int, world_size: int) -> None:
         )
 
 
-def init_distributed(tp: int | None = None, *, cfg: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
-    """Join (or start) the process group and return a mesh with dims ("dp", "tp"), or ("dp", "cfg", "tp") for `cfg=2`.
+def mesh_order(order=ULYSSES_INNER) -> tuple[str, ...]:
+    """A validated mesh order: a name of `MESH_ORDERS`, or a permutation of `CP_DIMS` with "ring" before "ulysses"."""
+    order = MESH_ORDERS.get(order, order) if isinstance(order, str) else tuple(order)
+    if isinstance(order, str) or sorted(order) != sorted(CP_DIMS):
+        raise ValueError(
+            f"Mesh order {order!r} must be one of {sorted(MESH_ORDERS)} or name each of {CP_DIMS} exactly once "
+            "(size-1 dimensions are allowed)."
+        )
+    if order.index("ring") > order.index("ulysses"):
+        raise ValueError(
+            f"Mesh order {order} puts 'ulysses' before 'ring', but diffusers' ContextParallelConfig slices "
+            "mesh['ring', 'ulysses'], which needs 'ring' first. Swap them."
+        )
+    return order
 
-    `tp` defaults to the world size divided by `cfg` (one replica); `dp = world // (cfg * tp)` replicas then run
-    independent work. With `cfg=2` each replica is a pair of TP groups that computes the cond and uncond branches
-    of true classifier-free guidance at the same time (`load_pipeline(...).generate` does it for you); `cfg=1`
-    keeps the 2-D mesh, so code written for it is unchanged. `timeout_s` bounds every collective, so a dead rank
-    makes the others fail with an error instead of hanging forever. Calling it again returns a mesh over the
-    existing group.
+
+def check_cp_degrees(world_size: int, *, tp: int, ulysses: int, ring: int, cfg: int = 1) -> None:
+    """Reject degrees whose image groups (tp x ulysses x ring ranks, times a CFG pair) cannot tile the world."""
+    for name, degree in (("tp", tp), ("ulysses", ulysses), ("ring", ring)):
+        if degree < 1:
+            raise ValueError(f"--{name} {degree}: a parallel degree is a positive number of ranks.")
+    group = cfg * tp * ulysses * ring
+    if world_size % group:
+        fitting = [d for d in divisors(world_size) if world_size % (cfg * d) == 0]
+        raise ValueError(
+            f"cfg x tp x ulysses x ring = {cfg} x {tp} x {ulysses} x {ring} = {group} ranks per replica does not "
+            f"divide the world size {world_size}: every rank must belong to exactly one image group of the same size. "
+            f"Group sizes (tp x ulysses x ring) that fit {world_size} rank(s){' with CFG pairs' if cfg > 1 else ''}: "
+            f"{fitting}. Change the degrees, or launch a multiple of {group} ranks."
+        )
+
+
+def init_distributed(tp: int | None = None, *, ulysses: int = 1, ring: int = 1, cfg: int = 1,
+                     order=ULYSSES_INNER, timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
+    """Join (or start) the process group and return the mesh: ("dp", "tp"), ("dp", "cfg", "tp") for `cfg=2`, and all
+    of `CP_DIMS` in `order` when `ulysses` or `ring` is above 1 (context parallelism).
+
+    `tp` defaults to the world size divided by `cfg x ulysses x ring` (one replica); `dp = world // (cfg x tp x
+    ulysses x ring)` replicas then run independent work. With `cfg=2` each replica is a pair of image groups that
+    computes the cond and uncond branches of true classifier-free guidance at the same time (`load_pipeline(...)
+    .generate` does it for you). `order` (context parallelism only) decides which dimension's groups are contiguous
+    runs of ranks, see `MESH_ORDERS`. `timeout_s` bounds every collective, so a dead rank makes the others fail with
+    an error instead of hanging forever. Calling it again returns a mesh over the existing group.
     """
     runtime = detect_runtime()
-    tp = max(runtime.world_size // cfg, 1) if tp is None else tp
+    tp = max(runtime.world_size // (cfg * ulysses * ring), 1) if tp is None else tp
     check_cfg_degree(cfg, tp, runtime.world_size)
     check_tp_degree(tp, runtime.world_size)
+    check_cp_degrees(runtime.world_size, tp=tp, ulysses=ulysses, ring=ring, cfg=cfg)
+    mesh_order(order)  # a bad order is refused before the process group starts
 
     if runtime.device_type != "cpu":
         torch.get_device_module(runtime.device_type).set_device(runtime.local_rank)
@@ -135,11 +189,67 @@ def init_distributed(tp: int | None = None, *, cfg: int = 1, timeout_s: float = 
             )
         else:
             dist.init_process_group(runtime.backend, timeout=timeout)
+    if ulysses * ring > 1:
+        return build_mesh(runtime.device_type, runtime.world_size, tp=tp, ulysses=ulysses, ring=ring, cfg=cfg,
+                          order=order)
     if cfg == 1:
         return init_device_mesh(runtime.device_type, (runtime.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
     return init_device_mesh(
         runtime.device_type, (runtime.world_size // (cfg * tp), cfg, tp), mesh_dim_names=("dp", "cfg", "tp")
     )
+
+
+def build_mesh(device_type: str, world_size: int, *, tp: int = 1, ulysses: int = 1, ring: int = 1, cfg: int = 1,
+               order=ULYSSES_INNER) -> DeviceMesh:
+    """A mesh with all five of `CP_DIMS` in `order` (size 1 allowed); dp takes whatever the others leave."""
+    order = mesh_order(order)
+    check_cp_degrees(world_size, tp=tp, ulysses=ulysses, ring=ring, cfg=cfg)
+    sizes = {"dp": world_size // (cfg * tp * ulysses * ring), "cfg": cfg, "tp": tp, "ring": ring, "ulysses": ulysses}
+    return init_device_mesh(device_type, tuple(sizes[name] for name in order), mesh_dim_names=order)
+
+
+def dim_size(mesh: DeviceMesh, name: str) -> int:
+    """The size of the mesh's dimension `name`; 1 for a dimension the mesh does not have."""
+    names = mesh.mesh_dim_names or ()
+    return mesh.shape[names.index(name)] if name in names else 1
+
+
+def dim_rank(mesh: DeviceMesh, name: str) -> int:
+    """This rank's coordinate along `name`; 0 for a dimension the mesh does not have."""
+    return mesh[name].get_local_rank() if name in (mesh.mesh_dim_names or ()) else 0
+
+
+IMAGE_DIMS = ("tp", "ring", "ulysses")
+_IMAGE_GROUPS: dict = {}
+
+
+def image_group(mesh: DeviceMesh):
+    """The process group of this rank's image group: the mesh's "tp", "ring" and "ulysses" dimensions together.
+
+    Without context parallelism that is the TP group. With it, the group is created on first use for this mesh, by
+    every rank of the world at once (a collective: call it on all ranks, as `load_pipeline` and the job do), with
+    public `new_subgroups_by_enumeration`; its rank 0 is the group's leader (`is_tp_leader`).
+    """
+    names = mesh.mesh_dim_names or ()
+    if "ring" not in names and "ulysses" not in names:
+        return mesh["tp"].get_group()
+    key = (names, tuple(mesh.mesh.flatten().tolist()))
+    if key not in _IMAGE_GROUPS:
+        inner = [names.index(name) for name in IMAGE_DIMS]
+        outer = [i for i in range(len(names)) if i not in inner]
+        layout = mesh.mesh.permute(*outer, *inner).reshape(-1, math.prod(mesh.shape[i] for i in inner))
+        _IMAGE_GROUPS[key], _ = dist.new_subgroups_by_enumeration(layout.tolist())
+    return _IMAGE_GROUPS[key]
+
+
+def replica_ranks(mesh: DeviceMesh, *, with_cfg: bool) -> list[int]:
+    """The global ranks that make this rank's images together: its image group (TP x ring x Ulysses), and with
+    `with_cfg` its CFG partner group too. Plain mesh arithmetic: no collective, no process group created."""
+    names = mesh.mesh_dim_names or ()
+    together = set(IMAGE_DIMS) | ({"cfg"} if with_cfg else set())
+    index = tuple(slice(None) if name in together else coordinate
+                  for name, coordinate in zip(names, mesh.get_coordinate(), strict=True))
+    return mesh.mesh[index].flatten().tolist()
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -160,18 +270,19 @@ def is_main_process() -> bool:
 
 
 def is_tp_leader(mesh: DeviceMesh) -> bool:
-    """Rank 0 of this process's TP group: the one that encodes, decodes and saves for the group."""
-    return mesh["tp"].get_local_rank() == 0
+    """Rank 0 of this process's image group (its TP group; with context parallelism its TP x ring x Ulysses ranks):
+    the one that encodes, decodes and saves for the group."""
+    return all(dim_rank(mesh, name) == 0 for name in IMAGE_DIMS)
 
 
 def cfg_size(mesh: DeviceMesh) -> int:
-    """2 on a ("dp", "cfg", "tp") mesh with CFG pairs, else 1."""
-    return mesh["cfg"].size() if "cfg" in (mesh.mesh_dim_names or ()) else 1
+    """2 on a mesh with CFG pairs, else 1."""
+    return dim_size(mesh, "cfg")
 
 
 def cfg_rank(mesh: DeviceMesh) -> int:
-    """Which TP group of its CFG pair this rank belongs to (0 without a cfg dimension): 0 computes cond, 1 uncond."""
-    return mesh["cfg"].get_local_rank() if cfg_size(mesh) > 1 else 0
+    """Which image group of its CFG pair this rank belongs to (0 without pairs): 0 computes cond, 1 uncond."""
+    return dim_rank(mesh, "cfg")
 
 
 def is_replica_leader(mesh: DeviceMesh) -> bool:
@@ -180,14 +291,14 @@ def is_replica_leader(mesh: DeviceMesh) -> bool:
 
 
 def broadcast_object_from_replica_leader(obj, mesh: DeviceMesh):
-    """The replica leader's `obj` on every rank of its replica: over its TP group, then to each CFG partner.
+    """The replica leader's `obj` on every rank of its replica: over its image group, then to each CFG partner.
 
     Two hops over the mesh's own groups, so no group spanning a whole replica has to be created.
     """
     box = [obj]
+    group = image_group(mesh)  # every rank: creating it is a collective over the world
     if cfg_rank(mesh) == 0:
-        tp_group = mesh["tp"].get_group()
-        dist.broadcast_object_list(box, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     if cfg_size(mesh) > 1:
         cfg_group = mesh["cfg"].get_group()
         dist.broadcast_object_list(box, src=dist.get_global_rank(cfg_group, 0), group=cfg_group)

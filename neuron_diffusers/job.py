@@ -50,12 +50,15 @@ from .compile import (
 )
 from .consistency import agree, raise_agreed, shareable
 from .distributed import (
+    MESH_ORDERS,
     broadcast_object_from_replica_leader,
     cfg_rank,
     check_cfg_degree,
+    check_cp_degrees,
     check_tp_degree,
     default_store,
     detect_runtime,
+    image_group,
     init_distributed,
     is_main_process,
     is_replica_leader,
@@ -74,11 +77,12 @@ from .outputs import (
     scan_outputs,
     settings_key,
 )
+from .parallel import context
 from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import check_loras, parse_lora_option
 from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs
-from .runner import load_pipeline
+from .runner import check_context_parallel_call, load_pipeline
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -161,6 +165,20 @@ class JobPlan:
     done: frozenset = frozenset()
     #: The digest of every request's key: what the output folder's lock records.
     job_digest: str = ""
+    #: Context parallelism: ranks splitting each image's sequence, any-length mode, and the mesh order.
+    ulysses: int = 1
+    ring: int = 1
+    cp_any_length: bool = False
+    mesh_order: str = "ulysses-inner"
+
+    @property
+    def group(self) -> int:
+        """Ranks that make one image together."""
+        return self.tp * self.ulysses * self.ring
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.group * self.cfg)
 
 
 def read_prompt_file(path: Path) -> list[dict]:
@@ -331,7 +349,8 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def settings_text(request: Request, *, model: str, pipeline: str, tp: int, dp: int, cfg: int, dtype: str,
-                  loras: list, key: dict, cache: str | None = None) -> dict[str, str]:
+                  loras: list, key: dict, cache: str | None = None, ulysses: int = 1,
+                  ring: int = 1) -> dict[str, str]:
     """The PNG text chunks (MP4 metadata for video): enough to regenerate the output, and its settings key (what
     resume compares). The server (`serve/`) writes the same chunks, so its images and the job's say the same."""
     values = {
@@ -345,6 +364,8 @@ def settings_text(request: Request, *, model: str, pipeline: str, tp: int, dp: i
         "model": model,
         "pipeline": pipeline,
         "tp": tp,
+        "ulysses": ulysses,
+        "ring": ring,
         "dp": dp,
         "cfg": cfg,
         "cache": cache or "",
@@ -375,8 +396,10 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     loras = [parse_lora_option(text) for text in args.lora]
     cache = parse_cache_spec(args.cache, steps=args.steps) if args.cache else None
     pairs = 2 if args.cfg_parallel else 1
-    tp = args.tp or max(world_size // pairs, 1)
+    cp = args.ulysses * args.ring
+    tp = args.tp or max(world_size // (pairs * cp), 1)
     check_tp_degree(tp, world_size)
+    check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring)
     checkpoint = resolve(args.model, args.pipeline)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
@@ -385,6 +408,15 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         # Tried on the meta-device transformer (no weights), with the blocks `--compile` would compile.
         meta = checkpoint.meta("transformer")
         check_cache(cache, meta, compiled_block_classes(meta, adapter) if args.compile else None)
+    mode = context.runner_mode(checkpoint.family.display_name, adapter.cp_text, args.ulysses, args.ring,
+                               args.cp_any_length) if cp > 1 else None
+    if mode is not None and mode.any_length and args.compile:
+        raise ValueError(
+            f"--compile with context parallelism needs static shapes, but {checkpoint.family.display_name} would run "
+            f"diffusers' {'ulysses' if mode.ulysses_anything else 'ring'}_anything mode here (any length, a host sync "
+            "per attention call). Drop --compile" + ("" if checkpoint.family.name == "qwenimage21" else
+                                                     ", or --cp-any-length / the ring + padding combination") + "."
+        )
     if args.negative_prompt is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")
     if args.guidance is not None and adapter.guidance_kwarg is None:
@@ -410,17 +442,27 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         raise ValueError(f"--cache {args.cache}: MagCache's schedule is laid out for num_inference_steps="
                          f"{cache.num_inference_steps}, and some requests run another number of steps. Give them all "
                          "the same steps, or run them as separate jobs.")
+    if mode is not None and not mode.any_length:
+        for request in requests:
+            try:
+                check_context_parallel_call(adapter, checkpoint, call_kwargs(request, adapter), cp)
+            except ValueError as error:
+                raise ValueError(f"Request {request.index} ({request.height}x{request.width}): {error}") from None
     true_cfg = frozenset(r.index for r in requests
                          if adapter.uses_true_cfg(r.negative_prompt, call_kwargs(r, adapter)))
     notes = []
     if pairs > 1 and not true_cfg:
-        notes.append(_no_pairs_note(adapter, world_size, tp))
+        notes.append(_no_pairs_note(adapter, world_size, tp, cp))
         pairs = 1
     if pairs > 1 and not adapter.names_cfg_branches:
         raise ValueError(f"--cfg-parallel cannot split {adapter.pipeline_class}'s true CFG: it calls its transformer "
                          "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
                          "--cfg-parallel (the requests then run with serial CFG).")
     check_cfg_degree(pairs, tp, world_size)  # only once pairs are known to be needed: a fallback runs on any world
+    if cp > 1:
+        heads = checkpoint.config("transformer").get("num_attention_heads")
+        context.check_layout(checkpoint.family.display_name, heads, world_size, tp=tp, ulysses=args.ulysses,
+                             ring=args.ring, cfg=pairs, ulysses_anything=mode.ulysses_anything)
     check_loras(checkpoint, loras)  # last, the slowest: each file read and checked against the transformer's config
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     lora_records = [spec.record() for spec in loras]
@@ -440,14 +482,16 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     return JobPlan(checkpoint, requests, args.out, tp, world_size, dtype,
                    settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=pairs,
                    true_cfg=true_cfg, notes=notes, keys=keys, done=done, job_digest=job_digest, loras=lora_records,
-                   cache=cache)
+                   cache=cache, ulysses=args.ulysses, ring=args.ring, cp_any_length=args.cp_any_length,
+                   mesh_order=args.mesh_order)
 
 
-def _no_pairs_note(adapter, world_size: int, tp: int) -> str:
+def _no_pairs_note(adapter, world_size: int, tp: int, cp: int = 1) -> str:
     why = ("the model is guidance-distilled" if not adapter.takes_negative_prompt
            else "that needs a negative prompt and a true_cfg_scale above 1")
+    layout = f"tp={tp}" + (f", ulysses x ring={cp}" if cp > 1 else "")
     return (f"--cfg-parallel: no request uses true CFG ({why}), so the transformer runs once per step and the cfg "
-            f"ranks run as data parallelism instead: dp={world_size // tp}, tp={tp}.")
+            f"ranks run as data parallelism instead: dp={world_size // (tp * cp)}, {layout}.")
 
 
 def _check_image_inputs(request: Request, adapter) -> None:
@@ -492,7 +536,8 @@ def pair_work(requests: list[Request], plan: JobPlan, cfg_rank: int) -> list[tup
 def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm: bool, timeout_s: float) -> dict:
     """Generate this process's share of the requests (its replica's, see `pair_work`); rank 0 returns (and writes)
     the summary. Any failure is raised on every rank alike."""
-    mesh = init_distributed(tp=plan.tp, cfg=plan.cfg, timeout_s=timeout_s)
+    mesh = init_distributed(tp=plan.tp, ulysses=plan.ulysses, ring=plan.ring, cfg=plan.cfg, order=plan.mesh_order,
+                            timeout_s=timeout_s)
     lock = _lock_out_dir(plan)
     try:
         return _run_locked(plan, mesh, overwrite, compile_backend, warm)
@@ -561,7 +606,8 @@ def _run_locked(plan: JobPlan, mesh, overwrite: bool, compile_backend: str | Non
 def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compile_backend, warm: bool, dp: int):
     """Load, compile, and generate this TP group's `work`; returns the saved images' records and the phases."""
     pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype),
-                         loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache)
+                         loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache,
+                         cp_any_length=plan.cp_any_length)
     compile_start = time.perf_counter()
     if compile_backend:
         compile_repeated_blocks(pipe, backend=compile_backend)
@@ -592,7 +638,7 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
                 pipe.adapter.save(outputs[0], path, text=settings_text(
                     request, model=plan.checkpoint.source, pipeline=plan.checkpoint.pipeline_class, tp=plan.tp, dp=dp,
                     cfg=2 if with_partner else 1, dtype=plan.dtype, loras=plan.loras, key=plan.keys[request.index],
-                    cache=plan.settings.get("cache")))
+                    cache=plan.settings.get("cache"), ulysses=plan.ulysses, ring=plan.ring))
                 images.append({**asdict(request), "file": path.name,
                                "seconds": round(time.perf_counter() - start, 4),
                                "save_seconds": round(time.perf_counter() - save_start, 4), "rank": dist.get_rank(),
@@ -606,7 +652,7 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
             if error is None and default_store().check([_FAILED_KEY]):
                 error = OutputWriteError(f"Stopped: {default_store().get(_FAILED_KEY).decode()}")
         # The saving rank decides for the ranks that made the image with it: all go on, or all stop with its error.
-        raise_agreed(error, pipe.mesh["tp"].get_group(), pipe.mesh["cfg"].get_group() if with_partner else None)
+        raise_agreed(error, image_group(pipe.mesh), pipe.mesh["cfg"].get_group() if with_partner else None)
         bar.update(1)
     bar.close()
 
@@ -721,6 +767,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="true CFG (negative prompt, scale > 1): compute cond and uncond on two TP groups at once; "
                              "needs a multiple of 2 x tp ranks. Requests without true CFG use the pairs as data "
                              "parallelism")
+    parser.add_argument("--ulysses", type=positive_int, default=1,
+                        help="context parallelism: split each image's sequence over N ranks with Ulysses all-to-all "
+                             "(tp x ulysses must divide the attention heads)")
+    parser.add_argument("--ring", type=positive_int, default=1,
+                        help="context parallelism: split each image's sequence over N ranks with ring attention")
+    parser.add_argument("--cp-any-length", action="store_true",
+                        help="with --ulysses or --ring: any image size and prompt length, exactly, in diffusers' "
+                             "*_anything modes (not with --compile)")
+    parser.add_argument("--mesh-order", choices=sorted(MESH_ORDERS), default="ulysses-inner",
+                        help="which ranks are neighbours under context parallelism: ulysses-inner (default: "
+                             "contiguous all-to-all groups, as Neuron needs) or tp-inner (TP all-reduces between "
+                             "neighbours)")
     parser.add_argument("--true-cfg-scale", type=finite_float, default=None,
                         help="FLUX.1's true CFG scale (with --negative-prompt); Qwen-Image / 2.1 take it from "
                              "--guidance")
@@ -746,6 +804,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", action="store_true",
                         help="with --compile: compile the requested size and every text-length bucket before "
                              "generating")
+
+
+def _cp_text(plan: JobPlan) -> str:
+    return f"ulysses={plan.ulysses}, ring={plan.ring}, " if plan.ulysses * plan.ring > 1 else ""
 
 
 def main(args: argparse.Namespace) -> int:
@@ -777,7 +839,7 @@ def main(args: argparse.Namespace) -> int:
             report = {k: v for k, v in summary["compile"].items() if k != "recompile_reasons"}
             print(f"compile report: {json.dumps(report)}")
         print(f"wrote {summary['generated']} of {summary['requests']} to {plan.out_dir} "
-              f"(tp={plan.tp}, cfg={plan.cfg}, dp={plan.world_size // (plan.tp * plan.cfg)}, {plan.dtype}); "
+              f"(tp={plan.tp}, {_cp_text(plan)}cfg={plan.cfg}, dp={plan.dp}, {plan.dtype}); "
               "summary.json", flush=True)
     # The fixed shutdown order (with `cli.run`'s exit after it, see `distributed.exit_process`): every rank past its
     # last collective, then the process group destroyed while the interpreter is whole.

@@ -1,15 +1,17 @@
-"""Load a stock pipeline with its transformer sharded over the mesh's `tp` dimension, and generate.
+"""Load a stock pipeline with its transformer split over the mesh's image group, and generate.
 
-The one data path, per TP group: resolve the checkpoint → read its config (all checks happen here, before any
-weight is read) → stream each rank's transformer slice → the leader (TP rank 0) loads the text encoder on CPU,
-encodes each prompt once and broadcasts the embeddings → every rank denoises the same CPU-seeded noise with the
-stock pipeline, checking that the group's latents agree → the leader decodes and returns the image.
+The one data path, per image group (the mesh's "tp" ranks, times its "ring" and "ulysses" ranks under context
+parallelism): resolve the checkpoint → read its config (all checks happen here, before any weight is read) →
+stream each rank's transformer slice → the leader (group rank 0) loads the text encoder on CPU, encodes each prompt
+once and broadcasts the embeddings to the group → every rank denoises the same CPU-seeded noise with the stock
+pipeline, checking that the group's latents agree (under context parallelism every rank holds the whole latents:
+the transformer's output is gathered) → the leader decodes and returns the image.
 
 With `cache=` (a diffusers step-cache config) the transformer runs diffusers' cache hooks with every skip decision
 shared by its group (`parallel/cache.py`), and each image's forwards computed vs served from the cache are kept.
 
-On a ("dp", "cfg", "tp") mesh (`init_distributed(cfg=2)`) each replica is a CFG pair of TP groups. A call with true
-classifier-free guidance runs each image on both groups, one guidance branch each (`parallel/cfg.py`); a call
+On a mesh with a "cfg" dimension (`init_distributed(cfg=2)`) each replica is a CFG pair of image groups. A call with
+true classifier-free guidance runs each image on both groups, one guidance branch each (`parallel/cfg.py`); a call
 without it gives each group its own images, so the second group is extra data parallelism instead of idle.
 
 Image inputs (`generate(image=..., mask_image=..., strength=...)`, any stock class on the family's transformer
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from diffusers import TensorParallelConfig
+from diffusers import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
 from .checkpoint import Checkpoint, resolve
@@ -36,12 +38,16 @@ from .distributed import (
     broadcast_from_leader,
     cfg_rank,
     cfg_size,
+    dim_size,
+    image_group,
     init_distributed,
     is_replica_leader,
     is_tp_leader,
     mesh_device,
     rank,
+    replica_ranks,
 )
+from .parallel import context
 from .parallel.cache import GroupCache, check_cache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
 from .parallel.lora import FusedLoras, check_loras
@@ -71,11 +77,12 @@ _OWNED_KWARGS = {
 
 @dataclass
 class TPPipeline:
-    """A stock diffusers pipeline whose transformer is sharded over `mesh["tp"]`.
+    """A stock diffusers pipeline whose transformer is split over the mesh's image group (TP, and context parallelism
+    when the mesh has "ring" / "ulysses" dimensions).
 
-    `encoder` (the text components, on CPU) exists only on the TP group's leader; `pipe` (transformer, scheduler,
-    and the VAE on the leader) on every rank. On a mesh with a `cfg` dimension every TP group of a CFG pair has its
-    own leader with its own encoder and VAE, so either group can also serve requests alone.
+    `encoder` (the text components, on CPU) exists only on the image group's leader; `pipe` (transformer, scheduler,
+    and the VAE on the leader) on every rank. On a mesh with a `cfg` dimension every image group of a CFG pair has
+    its own leader with its own encoder and VAE, so either group can also serve requests alone.
     """
 
     adapter: PipelineAdapter
@@ -97,6 +104,9 @@ class TPPipeline:
     size_limits: SizeLimits | None = None
     #: Seconds a rank waits in `generate` for the rest of its group to make the same call (`consistency.CallEntry`).
     entry_timeout_s: float = ENTRY_TIMEOUT_S
+    #: The checkpoint it was loaded from, and how context parallelism runs it (None without).
+    checkpoint: Checkpoint | None = None
+    cp_mode: context.RunnerMode | None = None
 
     def __post_init__(self):
         self.times.time_module(self.adapter.transformer_of(self.pipe), "transformer forward")
@@ -160,13 +170,13 @@ class TPPipeline:
         strength outside (0, 1].
         """
         pair = cfg_size(self.mesh) > 1 and not alone
-        replica = self.mesh["cfg", "tp"] if pair else self.mesh["tp"]
-        CallEntry(replica.mesh.flatten().tolist(), "generate", self.entry_timeout_s).enter(
+        CallEntry(replica_ranks(self.mesh, with_cfg=pair), "generate", self.entry_timeout_s).enter(
             [self.adapter.pipeline_class, prompts, seed, negative_prompt, check_latents_every, alone, image,
              mask_image, strength, pipeline_kwargs])
         prompts = self._check_call(prompts, seed, pipeline_kwargs)
         negatives = self._negatives(negative_prompt, len(prompts))
         image_kwargs = check_image_kwargs(self.adapter, image, mask_image, strength)
+        self._check_context_parallel(pipeline_kwargs)
         joint = pair and self.adapter.uses_true_cfg(negatives[0], pipeline_kwargs)
         if joint:
             _check_cfg_parallel_kwargs(self.adapter, pipeline_kwargs)
@@ -224,7 +234,7 @@ class TPPipeline:
             raise
         except Exception as caught:
             error = caught
-        raise_agreed(error, self.mesh["tp"].get_group(), self.mesh["cfg"].get_group() if joint else None)
+        raise_agreed(error, image_group(self.mesh), self.mesh["cfg"].get_group() if joint else None)
         return output
 
     def _denoise(self, embeds: dict, seed: int, joint: bool, check_latents_every: int | None, pipeline_kwargs: dict,
@@ -234,14 +244,15 @@ class TPPipeline:
         branch = cfg_rank(self.mesh) if joint else 0
         cfg_group = self.mesh["cfg"].get_group() if joint else None
         generator = torch.Generator("cpu").manual_seed(seed)
-        check = LatentAgreement(self.mesh["tp"].get_group(), every=check_latents_every, cfg_group=cfg_group)
+        check = LatentAgreement(image_group(self.mesh), every=check_latents_every, cfg_group=cfg_group,
+                                group_name="image group (TP x context parallel)" if self.cp_mode else None)
         proxy = cfg_parallel_transformer(self.pipe, cfg_group) if joint else nullcontext()
         images = nullcontext()
         if image_kwargs:
-            tp_mesh = self.mesh["tp"]
+            # The image group's leader (its VAE, its encoder) shares with every rank of the group, CP ranks included.
             images = shared_image_inputs(self.pipe, vae=self.pipe.vae if self.is_leader else self.follower_vae(),
-                                         encoder=self.encoder, tp_group=tp_mesh.get_group(), pair_group=cfg_group,
-                                         device=mesh_device(tp_mesh), decodes=self.is_leader, text_encode=in_call)
+                                         encoder=self.encoder, tp_group=image_group(self.mesh), pair_group=cfg_group,
+                                         device=mesh_device(self.mesh), decodes=self.is_leader, text_encode=in_call)
         cache = self.cache
         with torch.no_grad(), self.times.phase("denoise + decode"), proxy, images, \
                 cache.pipeline_call() if cache is not None else nullcontext():
@@ -256,6 +267,11 @@ class TPPipeline:
                 dist.all_gather_object(counts, cache.counts.as_dict(), group=cfg_group)
             self.cache_counts.append(sum_counts(counts))
         return output
+
+    def _check_context_parallel(self, pipeline_kwargs: dict) -> None:
+        """Under the plain context-parallel modes, refuse a call whose sequences do not split evenly, before a step."""
+        if self.cp_mode is not None and not self.cp_mode.any_length:
+            check_context_parallel_call(self.adapter, self.checkpoint, pipeline_kwargs, context_degree(self.mesh))
 
     def _collect_pair(self, outputs: dict, count: int, joint: bool) -> list | None:
         """Every image of the call, in order, on the pair's leader (the other group's leader sends its share)."""
@@ -301,8 +317,7 @@ class TPPipeline:
                                               self.buckets)
             except Exception as error:  # too long for the largest bucket, a tokenizer error: every rank raises it
                 embeds = shareable(error)
-        tp_mesh = self.mesh["tp"]
-        return broadcast_from_leader(embeds, tp_mesh.get_group(), mesh_device(tp_mesh))
+        return broadcast_from_leader(embeds, image_group(self.mesh), mesh_device(self.mesh))
 
 
 def _prompt_strings(prompt: str, negative: str | None) -> dict:
@@ -327,6 +342,36 @@ def _check_cfg_parallel_kwargs(adapter: PipelineAdapter, pipeline_kwargs: dict) 
         )
 
 
+def context_degree(mesh: DeviceMesh) -> int:
+    """Ranks that split one image's sequence: ulysses x ring (1 without context parallelism)."""
+    return dim_size(mesh, "ulysses") * dim_size(mesh, "ring")
+
+
+def check_context_parallel_call(adapter: PipelineAdapter, checkpoint: Checkpoint, call_kwargs: dict,
+                                degree: int) -> None:
+    """The sequences the plain context-parallel modes split at this call must be multiples of `degree`; the error
+    names nearby image sizes that split."""
+    lengths = adapter.split_lengths(checkpoint, call_kwargs)
+    suggestion = ""
+    if "image tokens" in lengths and lengths["image tokens"] % degree:
+        multiple = adapter.size_multiple(checkpoint)
+        sizes = context.valid_sizes(call_kwargs["height"], call_kwargs["width"], multiple, degree)
+        suggestion = (f"Image tokens are (height / {multiple}) x (width / {multiple}); sizes near "
+                      f"{call_kwargs['height']}x{call_kwargs['width']} that split: "
+                      f"{', '.join(f'{h}x{w}' for h, w in sizes)}. ")
+    context.check_split_lengths(checkpoint.family.display_name, lengths, degree, suggestion)
+
+
+def _parallel_config(mesh: DeviceMesh, mode: context.RunnerMode | None) -> dict:
+    """The `from_pretrained` kwargs that split the transformer over `mesh`: TP over "tp", CP over "ring" x "ulysses"."""
+    tp = TensorParallelConfig(mesh=mesh["tp"]) if dim_size(mesh, "tp") > 1 else None
+    if mode is None:
+        return {"parallel_config": tp} if tp is not None else {}
+    cp = ContextParallelConfig(ulysses_degree=dim_size(mesh, "ulysses"), ring_degree=dim_size(mesh, "ring"),
+                               ulysses_anything=mode.ulysses_anything, ring_anything=mode.ring_anything, mesh=mesh)
+    return {"parallel_config": ParallelConfig(context_parallel_config=cp, tensor_parallel_config=tp)}
+
+
 def load_pipeline(
     model: str | os.PathLike | Checkpoint,
     mesh: DeviceMesh | None = None,
@@ -336,15 +381,23 @@ def load_pipeline(
     buckets: tuple[int, ...] | None = None,
     loras=(),
     cache=None,
+    cp_any_length: bool = False,
 ) -> TPPipeline:
-    """The stock pipeline of `model` with its transformer streamed shard-by-shard over `mesh["tp"]`.
+    """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
     `model` is a checkpoint folder, a Hub id, a tiny family name, or an already resolved `Checkpoint`. `mesh`
-    defaults to `init_distributed()` (all ranks in one TP group). Only the TP group's leader loads the text encoder
-    (on CPU) and the VAE; on a ("dp", "cfg", "tp") mesh each TP group of a CFG pair has its own leader, so the pair
-    can split requests that do not use true CFG (a ("dp", "tp") mesh of the same size loads the same). `buckets`
-    overrides the family's static text lengths (`()` turns padding off). `loras` (`[(path_or_hub_id, scale), ...]`)
-    are read and checked before any weight is read, then fused into each rank's shard (see `TPPipeline.set_loras`).
+    defaults to `init_distributed()` (all ranks in one TP group); a mesh with "ring" / "ulysses" dimensions
+    (`init_distributed(ulysses=..., ring=...)`) adds context parallelism. Only the image group's leader loads the
+    text encoder (on CPU) and the VAE; on a mesh with a `cfg` dimension each image group of a CFG pair has its own
+    leader, so the pair can split requests that do not use true CFG. `buckets` overrides the family's static text
+    lengths (`()` turns padding off). `loras` (`[(path_or_hub_id, scale), ...]`) are read and checked before any
+    weight is read, then fused into each rank's shard (see `TPPipeline.set_loras`).
+
+    Under context parallelism the padding (text buckets, MiniMax-H3's packed rows) is rounded up to multiples of
+    ulysses x ring, and `generate` refuses image sizes whose token count does not split, naming sizes that do;
+    `cp_any_length=True` takes any size and prompt length exactly with diffusers' *_anything modes instead (not for
+    compiled static shapes). Qwen-Image-2.1 runs that way unless its buckets are opted in (`buckets=`: see its
+    adapter and `parallel/context_qwenimage21.py`).
 
     `pipeline_class` (a stock class or its name) runs the folder with another class on the same transformer, e.g.
     FluxKontextPipeline, FluxImg2ImgPipeline or FluxInpaintPipeline on a FLUX.1 folder; default: the class the
@@ -352,7 +405,7 @@ def load_pipeline(
     before any weight is read. Ranks without a VAE keep its small non-encoder/decoder state for image inputs.
 
     `cache` is a diffusers step-cache config (`FirstBlockCacheConfig`, `TaylorSeerCacheConfig`, `MagCacheConfig`),
-    installed with decisions shared by the TP group (`parallel/cache.py`); it is tried on the meta-device transformer
+    installed with decisions shared by the image group (`parallel/cache.py`); it is tried on the meta-device transformer
     before any weight is read.
     """
     checkpoint = resolve(model, pipeline_class)
@@ -361,12 +414,21 @@ def load_pipeline(
     loras = check_loras(checkpoint, loras)
     adapter = checkpoint.adapter
     mesh = init_distributed() if mesh is None else mesh
-    tp_mesh = mesh["tp"]
-    device = mesh_device(tp_mesh)
+    device = mesh_device(mesh)
+    image_group(mesh)  # created here, where every rank comes: creating it is a collective over the world
     leader = is_tp_leader(mesh)
-    # A TP degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is
-    # read (see `parallel/patches.py`).
-    parallel = {"parallel_config": TensorParallelConfig(mesh=tp_mesh)} if tp_mesh.size() > 1 else {}
+    degree = context_degree(mesh)
+    mode = None
+    buckets = adapter.buckets if buckets is None else tuple(buckets)
+    if degree > 1:
+        # A family without exact padding by default ("none") pads with masked positions when buckets are opted in.
+        text = "masked" if adapter.cp_text == "none" and buckets else adapter.cp_text
+        mode = context.runner_mode(checkpoint.family.display_name, text, dim_size(mesh, "ulysses"),
+                                   dim_size(mesh, "ring"), cp_any_length)
+        buckets = context.round_buckets(buckets, degree) if mode.pad else ()
+    # A degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is read
+    # (see `parallel/patches.py`).
+    parallel = _parallel_config(mesh, mode)
     times = PhaseTimes()
     with times.phase("load transformer (sharded)"):
         transformer = checkpoint.transformer_class().from_pretrained(
@@ -377,7 +439,8 @@ def load_pipeline(
     if cache is not None:
         # After sharding (the hooks wrap the coalesced block forwards). The group is every rank that computes this
         # transformer's forward: with context parallelism, the CP x TP group.
-        enable_group_cache(transformer, cache, tp_mesh.get_group() if tp_mesh.size() > 1 else None)
+        group = image_group(mesh)
+        enable_group_cache(transformer, cache, group if dist.get_world_size(group) > 1 else None)
     with times.phase("load other components"):
         encoder = adapter.load_encoder(checkpoint, torch_dtype) if leader else None
         pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader)
@@ -385,14 +448,16 @@ def load_pipeline(
         if not leader and "image" in adapter.call_parameters():
             dtype = torch_dtype or torch.float32
             follower_vae = functools.cache(functools.partial(vae_without_coders, checkpoint, dtype))
+    if mode is not None and mode.pad and not mode.any_length:
+        adapter.configure_context_parallel(pipe, degree)
     # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
     pipe.set_progress_bar_config(disable=rank() != 0)
     # The leader loads more (text encoder, VAE) than the others: the group leaves together, so the first call's
-    # entry handshake measures how late a rank is to the call, not to the end of loading. (The TP group only: a job
+    # entry handshake measures how late a rank is to the call, not to the end of loading. (The image group only: a job
     # gives a CFG pair's second group nothing to load when every request it has left is made by the first.)
-    CallEntry(tp_mesh.mesh.flatten().tolist(), "load_pipeline", timeout_s=None).enter(
+    CallEntry(replica_ranks(mesh, with_cfg=False), "load_pipeline", timeout_s=None).enter(
         [checkpoint.source, str(torch_dtype)])
-    pipeline = TPPipeline(adapter, pipe, encoder, mesh, adapter.buckets if buckets is None else tuple(buckets), times,
+    pipeline = TPPipeline(adapter, pipe, encoder, mesh, buckets, times, checkpoint=checkpoint, cp_mode=mode,
                           follower_vae=follower_vae, size_limits=adapter.size_limits(checkpoint))
     if loras:
         with times.phase("fuse LoRAs"):

@@ -272,14 +272,17 @@ def runner_checks(checkpoints: dict, call_kwargs: dict) -> dict:
     return report
 
 
-def compile_checks(checkpoints: dict, call_kwargs: dict, load_kwargs: dict, prompts: list, backend: str) -> dict:
-    """At TP=2: warm up, then count graphs, breaks and recompiles over `prompts`; compare to eager."""
+def compile_checks(checkpoints: dict, call_kwargs: dict, load_kwargs: dict, prompts: list, backend: str,
+                   mesh_kwargs: dict | None = None) -> dict:
+    """On `init_distributed(**mesh_kwargs)` (default TP=2): warm up, then count graphs, breaks and recompiles over
+    `prompts`; compare to eager."""
     import torch
 
     import neuron_diffusers as nd
     from neuron_diffusers.compile import compile_repeated_blocks, compile_report, warmup
 
-    mesh = nd.init_distributed(tp=2)
+    torch.set_num_threads(1)  # as torchrun does: ranks share the cores
+    mesh = nd.init_distributed(**(mesh_kwargs or {"tp": 2}))
     report = {}
     for family, checkpoint in checkpoints.items():
         torch._dynamo.reset()

@@ -59,7 +59,30 @@ def test_local_shard_slices_packed_blocks_like_the_loader():
     rows = torch.arange(12).view(12, 1)
     assert patches.local_shard(rows, 0, [4, 8], Mesh(1)).flatten().tolist() == [2, 3, 8, 9, 10, 11]
     assert patches.local_shard(rows.T, 1, [12], Mesh(0)).flatten().tolist() == [0, 1, 2, 3, 4, 5]
+
+
 def test_every_private_instance_attribute_patches_reads_exists():
     missing = [f"{factory.__name__}().{name}" for factory, name in patches.PRIVATE_INSTANCE_ATTRIBUTES
                if not hasattr(factory(), name)]
     assert missing == []
+
+
+def test_qwenimage21_gets_our_context_parallel_plan_the_others_keep_stock():
+    from neuron_diffusers.parallel import context_qwenimage21
+
+    for family in families.FAMILIES:
+        cls = family.model_class()
+        plan = patches.cp_plan_of(cls)
+        if family.name == "qwenimage21":
+            assert plan is not None and "transformer_blocks.0" in plan and "proj_out" in plan
+        elif family.name != "hunyuanvideo":
+            assert plan is cls.__dict__["_cp_plan"], family.name  # diffusers' own
+    assert context_qwenimage21.MODEL_CLASS == families.get("qwenimage21").model_class_name
+
+
+def test_parallel_config_accepts_context_and_tensor_parallelism_together():
+    config = diffusers.ParallelConfig(context_parallel_config=diffusers.ContextParallelConfig(ulysses_degree=2),
+                                      tensor_parallel_config=diffusers.TensorParallelConfig(tp_degree=2))
+    assert config.context_parallel_config.ulysses_degree == 2 and config.tensor_parallel_config.tp_degree == 2
+    with pytest.raises(ValueError, match="Either ring_degree or ulysses_degree"):  # stock's own checks still run
+        diffusers.ContextParallelConfig()

@@ -379,9 +379,10 @@ class FusedLoras:
 
     @classmethod
     def for_pipeline(cls, adapter, pipe, encoder, mesh) -> FusedLoras:
-        """The `FusedLoras` of a `load_pipeline` result: its transformer, the TP group and CFG partner to agree with,
-        and (on a TP leader) the text encoder."""
-        groups = [mesh[dim].get_group() for dim in ("tp", "cfg") if dim in mesh.mesh_dim_names and mesh[dim].size() > 1]
+        """The `FusedLoras` of a `load_pipeline` result: its transformer, the TP group (and the context-parallel ranks
+        of its image group) and CFG partner to agree with, and (on a TP leader) the text encoder."""
+        groups = [mesh[dim].get_group() for dim in ("tp", "ring", "ulysses", "cfg")
+                  if dim in mesh.mesh_dim_names and mesh[dim].size() > 1]
         return cls(adapter.transformer_of(pipe), lora_loader(adapter), encoder=encoder, groups=groups)
 
     def set(self, loras: Sequence) -> None:

@@ -29,6 +29,27 @@ slice-streaming loader) that we build on rather than copy. These gaps are closed
    they hook, the hooks' names, and the two decision points (FirstBlockCache's data-dependent one, TaylorSeer's
    counter) that `cache.py` wraps per hook instance so a group of ranks takes every decision together.
 
+Context parallelism (Ulysses, ring) next to TP in one `ParallelConfig` (see `context.py`). diffusers 0.42 has both
+halves but keeps them apart; diffusers PR #14725 and JingyaHuang/diffusers#2 (open) close the same gaps upstream:
+
+10. `ParallelConfig.__post_init__` refuses a config carrying both. We allow it.
+11. `_resolve_parallel_config` hands one mesh to both configs (TP would take the whole mesh as its degree) and
+   computes the device as `rank % accelerator.device_count()` for CP too. We set CP up on a mesh with "ring" and
+   "ulysses" dims and TP on its "tp" dim, the device from the mesh, after the layout checks (`context`).
+12. `from_pretrained(parallel_config=...)` applies only the TP half when both are given: no error, right numbers,
+   every rank computing the whole sequence. We attach the CP half after it returns; the checks run before loading.
+13. `enable_parallelism` registers the CP hooks *before* TP; diffusers' hook registry captures a module's `forward`
+   at registration, so the coalesced block forwards TP installs afterwards (a class swap) would be bypassed. We run
+   stock with an empty CP plan (it still checks the backend and hands the config to the processors), then attach
+   the real plan after TP, all or nothing (the processors' configs, outside the module snapshot, restored too).
+14. Ring attention needs the log-sum-exp of each partial attention; the native backend refuses `return_lse`, so ring
+   cannot run on CPU. We compute it with ATen's CPU flash-attention kernel (inference only).
+15. The `*_anything` modes exchange per-rank lengths with `gather_size_by_comm`, which gathers on the CPU only when
+   the backend string names "cpu" ("cpu:gloo,cuda:nccl"); a plain gloo group is sent to the accelerator (none on a
+   CPU host). We gather on the CPU for gloo. Their output gather (`_all_gather_anything`) all-gathers tensors of
+   unequal lengths, which gloo refuses: for gloo we pad to the longest and trim.
+16. Qwen-Image-2.1 ships no `_cp_plan`: ours (`context_qwenimage21.py`) is set as the class default, like `_tp_plan`.
+
 Each name touched here is private and may move in another release: importing this module refuses any
 diffusers outside the pinned series before it imports a single private module (`diffusers~=0.42.1` in
 pyproject.toml; tests/test_patches.py checks every name still exists).
@@ -64,13 +85,16 @@ from diffusers import hooks  # noqa: E402
 from diffusers.hooks import (  # noqa: E402
     _common,
     _helpers,
+    context_parallel,
     first_block_cache,
     mag_cache,
     taylorseer_cache,
     tensor_parallel,
     tensor_parallel_neuron,
 )
-from diffusers.models import modeling_outputs  # noqa: E402
+from diffusers.models import _modeling_parallel, attention_dispatch, modeling_outputs  # noqa: E402
+from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput  # noqa: E402
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry  # noqa: E402
 from diffusers.models.autoencoders import vae as vae_module  # noqa: E402
 from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module  # noqa: E402
@@ -79,7 +103,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  
 from .. import families  # noqa: E402
 from ..distributed import check_heads_divisible, mesh_device  # noqa: E402
 from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel  # noqa: E402
-from . import coalesce, rules  # noqa: E402
+from . import coalesce, context, context_qwenimage21, rules  # noqa: E402
 
 _OUR_STYLES = (GatheredColwiseParallel, PartialRowwiseParallel)
 
@@ -97,6 +121,23 @@ PRIVATE_NAMES = (
     (ModelMixin, "_resolve_parallel_config"),
     (ModelMixin, "enable_parallelism"),
     (ModelMixin, "compile_repeated_blocks"),
+    (ModelMixin, "from_pretrained"),
+    (ModelMixin, "_parallel_config"),
+    (ModelMixin, "_cp_plan"),
+    (diffusers.ParallelConfig, "__post_init__"),
+    (_modeling_parallel, "ContextParallelInput"),
+    (_modeling_parallel, "ContextParallelOutput"),
+    (_modeling_parallel, "gather_size_by_comm"),
+    (diffusers.ContextParallelConfig, "_flattened_mesh"),
+    (context_parallel, "gather_size_by_comm"),
+    (context_parallel, "_all_gather_anything"),
+    (attention_dispatch, "gather_size_by_comm"),
+    (attention_dispatch, "_native_attention_forward_op"),
+    (attention_dispatch, "_AttentionBackendRegistry"),
+    (_AttentionBackendRegistry, "get_active_backend"),
+    (_AttentionBackendRegistry, "_is_context_parallel_available"),
+    (_AttentionBackendRegistry, "_supports_context_parallel"),
+    (torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),  # torch's, for ring's log-sum-exp on CPU
     (vae_module, "DiagonalGaussianDistribution"),
     (modeling_outputs, "AutoencoderKLOutput"),
     (_common, "_ALL_TRANSFORMER_BLOCK_IDENTIFIERS"),
@@ -183,22 +224,43 @@ def _wrap_check_tp_supported(stock):
     return _check_tp_supported
 
 
+def _split(config):
+    """(ParallelConfig, its CP part, its TP part) for any config `enable_parallelism` / `from_pretrained` accept."""
+    if isinstance(config, diffusers.ContextParallelConfig):
+        return diffusers.ParallelConfig(context_parallel_config=config), config, None
+    if isinstance(config, diffusers.TensorParallelConfig):
+        return diffusers.ParallelConfig(tensor_parallel_config=config), None, config
+    return config, getattr(config, "context_parallel_config", None), getattr(config, "tensor_parallel_config", None)
+
+
+def _require_process_group(what: str) -> None:
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        raise RuntimeError(
+            f"torch.distributed must be initialized before applying a {what} `parallel_config`: call "
+            "`neuron_diffusers.init_distributed()` (or `torch.distributed.init_process_group`) first."
+        )
+
+
+def _check_context_parallel(model_name: str, num_heads: int | None, cp, tp) -> None:
+    """Every check a context-parallel request gets before any weight is read (the same words on every rank)."""
+    _require_process_group("context-parallel")
+    context.check_layout(model_name, num_heads, torch.distributed.get_world_size(), tp=context.tp_size(tp),
+                         ulysses=cp.ulysses_degree, ring=cp.ring_degree, ulysses_anything=cp.ulysses_anything)
+    if model_name == context_qwenimage21.MODEL_CLASS and cp.ring_degree > 1:
+        raise ValueError(context_qwenimage21.RING_REFUSAL)
+
+
 def _wrap_resolve_parallel_config(stock):
-    """Resolve a tensor-parallel config's device from its mesh instead of `accelerator.device_count()`."""
+    """Resolve the device from the mesh instead of `accelerator.device_count()`; CP and TP on one mesh (gaps 1, 11)."""
 
     @functools.wraps(stock)
     def _resolve_parallel_config(self, config):
-        tp_config = (config if isinstance(config, diffusers.TensorParallelConfig)
-                     else getattr(config, "tensor_parallel_config", None))
+        config, cp, tp_config = _split(config)
+        if cp is not None:
+            return _resolve_context_parallel(self, config, cp, tp_config)
         if tp_config is None:
-            return stock(self, config)  # context parallelism: untouched
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            raise RuntimeError(
-                "torch.distributed must be initialized before applying a tensor-parallel `parallel_config`: call "
-                "`neuron_diffusers.init_distributed()` (or `torch.distributed.init_process_group`) first."
-            )
-        if isinstance(config, diffusers.TensorParallelConfig):
-            config = diffusers.ParallelConfig(tensor_parallel_config=config)
+            return stock(self, config)
+        _require_process_group("tensor-parallel")
         mesh = tp_config.mesh or torch.distributed.device_mesh.init_device_mesh(
             _default_tp_device_type(), (tp_config.tp_degree,), mesh_dim_names=("tp",)
         )
@@ -208,6 +270,109 @@ def _wrap_resolve_parallel_config(stock):
         return config
 
     return _resolve_parallel_config
+
+
+def _resolve_context_parallel(model, config, cp, tp):
+    name = type(model).__name__
+    _check_context_parallel(name, getattr(model.config, "num_attention_heads", None), cp, tp)
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device_type = cp.mesh.device_type if cp.mesh is not None else _default_tp_device_type()
+    root, tp_mesh = context.resolve_meshes(cp, tp, device_type, world_size)
+    device = mesh_device(root)
+    config.tensor_parallel_config = None  # stock `setup` would hand TP the whole mesh
+    try:
+        config.setup(rank, world_size, device, mesh=root)  # CP slices "ring" and "ulysses" out of it
+    finally:
+        config.tensor_parallel_config = tp
+    if tp is not None:
+        tp.setup(rank, world_size, device, tp_mesh)
+    model._parallel_config = config
+    return config
+
+
+def _wrap_post_init(stock):
+    @functools.wraps(stock)
+    def __post_init__(self):
+        if self.context_parallel_config is not None and self.tensor_parallel_config is not None:
+            return  # stock's only check is the refusal of exactly this combination (gap 10)
+        stock(self)
+
+    return __post_init__
+
+
+def _check_attention_backends(model) -> None:
+    """Every attention processor's backend must support context parallelism (stock checks one, on one path)."""
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if processor is None or not hasattr(processor, "_attention_backend"):
+            continue
+        backend = processor._attention_backend
+        if backend is None:
+            backend = _AttentionBackendRegistry.get_active_backend()[0]
+        backend = AttentionBackendName(backend)
+        if not _AttentionBackendRegistry._is_context_parallel_available(backend):
+            raise ValueError(
+                f"{type(model).__name__}'s attention processor {type(processor).__name__} uses the '{backend.value}' "
+                f"attention backend, which has no context-parallel implementation. Choose one of "
+                f"{sorted(_AttentionBackendRegistry._supports_context_parallel)} with `model.set_attention_backend()`."
+            )
+
+
+def _processors(model) -> list:
+    """The attention processors that read a parallel config (the ones diffusers' CP dispatch consults)."""
+    found = {id(p): p for m in model.modules() if hasattr(p := getattr(m, "processor", None), "_parallel_config")}
+    return list(found.values())
+
+
+_ATTACHED = "_neuron_diffusers_cp_plan"
+
+
+def attach_context_parallel(model, config, plan: dict) -> None:
+    """Register the CP half of `config` on a model whose TP half (if any) is already applied (gaps 12, 13)."""
+    cp = config.context_parallel_config
+    _check_attention_backends(model)
+    for processor in _processors(model):
+        processor._parallel_config = config
+    context.install_split_checks(model, plan, cp)
+    if type(model).__name__ == context_qwenimage21.MODEL_CLASS:
+        region = cp._flattened_mesh
+        context_qwenimage21.install(model, cp, region.get_local_rank(), region.size())
+    hooks.apply_context_parallel(model, cp, plan)
+    setattr(model, _ATTACHED, plan)
+
+
+def _cp_plan_of(cls, cp_plan):
+    plan = cp_plan if cp_plan is not None else cls._cp_plan
+    if plan is None:
+        raise ValueError(
+            f"{cls.__name__} has no context-parallel plan (`_cp_plan`): diffusers cannot tell which inputs to "
+            "split along the sequence. Pass `enable_parallelism(config=..., cp_plan=...)`, or use tensor "
+            "parallelism alone."
+        )
+    return plan
+
+
+def _wrap_from_pretrained(stock):
+    """Checks first (config only), then stock (TP slices streamed), then the CP half it leaves out (gap 12)."""
+
+    @functools.wraps(stock)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        _, cp, tp = _split(kwargs["parallel_config"]) if kwargs.get("parallel_config") is not None else (None,) * 3
+        if cp is not None:
+            # Stock reads `.tensor_parallel_config` off anything but a `TensorParallelConfig`: wrap a bare CP config.
+            kwargs["parallel_config"] = _split(kwargs["parallel_config"])[0]
+            _cp_plan_of(cls, None)
+            hub = {k: kwargs[k] for k in ("cache_dir", "force_download", "proxies", "local_files_only", "token",
+                                          "revision", "subfolder") if k in kwargs}
+            model_config = cls.load_config(pretrained_model_name_or_path, **hub)
+            _check_context_parallel(cls.__name__, model_config.get("num_attention_heads"), cp, tp)
+        result = stock(cls, pretrained_model_name_or_path, *args, **kwargs)
+        model = result[0] if isinstance(result, tuple) else result
+        if cp is not None and getattr(model, _ATTACHED, None) is None:
+            attach_context_parallel(model, model._parallel_config, cls._cp_plan)
+        return result
+
+    return from_pretrained
 
 
 def _snapshot(model: torch.nn.Module) -> list:
@@ -237,18 +402,81 @@ def _restore(snapshot: list) -> None:
 
 
 def _wrap_enable_parallelism(stock):
-    """All or nothing: a failure anywhere in `enable_parallelism` leaves the model exactly as it was."""
+    """All or nothing: a failure anywhere leaves the model exactly as it was (gap 3); CP hooks after TP (gap 13)."""
 
     @functools.wraps(stock)
     def enable_parallelism(self, *, config, cp_plan=None):
+        config, cp, _ = _split(config)
+        plan = _cp_plan_of(type(self), cp_plan) if cp is not None else None
         snapshot = _snapshot(self)
+        # Processors are plain objects, outside the module snapshot: a stale `_parallel_config` left on them would
+        # keep routing attention through Ulysses/ring on a model that is no longer split.
+        processors = [(p, p._parallel_config) for p in _processors(self)]
         try:
-            return stock(self, config=config, cp_plan=cp_plan)
+            if cp is None:
+                return stock(self, config=config, cp_plan=cp_plan)
+            stock(self, config=config, cp_plan={})  # checks, meshes, backend, processors, TP: no CP hooks yet
+            attach_context_parallel(self, self._parallel_config, plan)
         except BaseException:
             _restore(snapshot)
+            for processor, parallel_config in processors:
+                processor._parallel_config = parallel_config
             raise
 
     return enable_parallelism
+
+
+def _wrap_native_forward_op(stock):
+    """The native backend's forward op with the log-sum-exp ring attention needs, on CPU (gap 14)."""
+
+    @functools.wraps(stock)
+    def _native_attention_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     scale=None, enable_gqa=False, return_lse=False, _save_ctx=True,
+                                     _parallel_config=None):
+        if not return_lse or query.device.type != "cpu":
+            return stock(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                         _save_ctx=_save_ctx, _parallel_config=_parallel_config)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            raise NotImplementedError("Ring attention on CPU is inference only: run it under torch.no_grad().")
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+        q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        return out.permute(0, 2, 1, 3), lse.permute(0, 2, 1)
+
+    return _native_attention_forward_op
+
+
+def _wrap_gather_size_by_comm(stock):
+    """Per-rank lengths gathered on the CPU over gloo (gap 15)."""
+
+    @functools.wraps(stock)
+    def gather_size_by_comm(size: int, group) -> list[int]:
+        if torch.distributed.get_backend(group) != "gloo":
+            return stock(size, group)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(sizes, torch.tensor([size], dtype=torch.int64), group=group)
+        return [s[0].item() for s in sizes]
+
+    return gather_size_by_comm
+
+
+def _wrap_all_gather_anything(stock):
+    """Unequal lengths over gloo: pad to the longest, gather, trim (gap 15)."""
+
+    @functools.wraps(stock)
+    def _all_gather_anything(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+        if torch.distributed.get_backend(group) != "gloo":
+            return stock(tensor, dim, group)
+        sizes = _modeling_parallel.gather_size_by_comm(tensor.shape[dim], group)
+        pad = [0, 0] * (tensor.dim() - 1 - dim % tensor.dim()) + [0, max(sizes) - tensor.shape[dim]]
+        padded = torch.nn.functional.pad(tensor, pad).contiguous()
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(gathered, padded, group=group)
+        return torch.cat([part.narrow(dim, 0, size) for part, size in zip(gathered, sizes, strict=True)], dim=dim)
+
+    return _all_gather_anything
 
 
 def _wrap_resolve_tp_shard_specs(stock):
@@ -357,11 +585,21 @@ _STOCK_PLANS: dict[str, dict | None] = {}
 
 
 def register_plans() -> None:
-    """Make our plans the classes' `_tp_plan`, remembering stock's (MiniMax-H3 and HunyuanVideo have none)."""
+    """Make our plans the classes' `_tp_plan`, remembering stock's (MiniMax-H3 and HunyuanVideo have none); give
+    Qwen-Image-2.1 our context-parallel plan, which diffusers does not ship (gap 16)."""
     for family in families.FAMILIES:
         cls = family.model_class()
         _STOCK_PLANS.setdefault(cls.__name__, cls.__dict__.get("_tp_plan"))
         cls._tp_plan = family.plan
+    cls = getattr(diffusers, context_qwenimage21.MODEL_CLASS)
+    if cls._cp_plan is None:
+        cls._cp_plan = context_qwenimage21.cp_plan(ContextParallelInput, ContextParallelOutput)
+
+
+def context_parallel_config_of(model: torch.nn.Module):
+    """The `ContextParallelConfig` a model runs under, or None (no context parallelism)."""
+    config = getattr(model, "_parallel_config", None)
+    return getattr(config, "context_parallel_config", None)
 
 
 def tp_plan_of(cls) -> dict | None:
@@ -533,5 +771,14 @@ def install() -> None:
     hooks.apply_tensor_parallel = tensor_parallel.apply_tensor_parallel
     ModelMixin._resolve_parallel_config = _wrap_resolve_parallel_config(ModelMixin._resolve_parallel_config)
     ModelMixin.enable_parallelism = _wrap_enable_parallelism(ModelMixin.enable_parallelism)
+    ModelMixin.from_pretrained = classmethod(_wrap_from_pretrained(ModelMixin.from_pretrained.__func__))
+    diffusers.ParallelConfig.__post_init__ = _wrap_post_init(diffusers.ParallelConfig.__post_init__)
+    attention_dispatch._native_attention_forward_op = _wrap_native_forward_op(
+        attention_dispatch._native_attention_forward_op)
+    gather = _wrap_gather_size_by_comm(_modeling_parallel.gather_size_by_comm)
+    # Both modules bound `gather_size_by_comm` by name at import: rebind it in each.
+    _modeling_parallel.gather_size_by_comm = context_parallel.gather_size_by_comm = gather
+    attention_dispatch.gather_size_by_comm = gather
+    context_parallel._all_gather_anything = _wrap_all_gather_anything(context_parallel._all_gather_anything)
     register_plans()
     _installed = True

@@ -135,6 +135,11 @@ class PipelineAdapter:
     output_suffix: str = ".png"
     #: Call kwargs a stock single-process call needs to return what this adapter compares (tools, tests).
     stock_output_kwargs: dict = {"output_type": "latent"}
+    #: How the text length becomes a multiple of the context-parallel degree (`parallel/context.runner_mode`):
+    #: "fixed" (the pipeline pads to `max_sequence_length` itself, no mask), "masked" (padding with masked
+    #: positions: buckets rounded to multiples of the degree), "none" (no exact padding: diffusers' *_anything modes).
+    cp_text: str = "masked"
+
     #: What the family verified of the class it drives (`for_pipeline`); None: the adapter's own, no image inputs.
     record: PipelineClass | None = None
     #: Every class the family verified on its transformer (`for_pipeline`): what error messages suggest.
@@ -241,6 +246,14 @@ class PipelineAdapter:
         """Whether a call calls the transformer twice per step (cond, uncond): a negative prompt and a
         `true_cfg_scale` above 1 (guidance-distilled families never do)."""
         return False
+
+    def split_lengths(self, checkpoint: Checkpoint, call_kwargs: dict) -> dict[str, int]:
+        """The sequence lengths context parallelism splits at this call that no padding of ours rounds up (so they
+        must be multiples of its degree), by name; the runner checks them before a step runs."""
+        return {}
+
+    def configure_context_parallel(self, pipe, multiple: int) -> None:
+        """Pad what this family pads to multiples of `multiple` (the context-parallel degree) from now on."""
 
 
 class StockPipelineAdapter(PipelineAdapter):
@@ -356,6 +369,18 @@ class StockPipelineAdapter(PipelineAdapter):
 
     def decoders(self, pipe) -> list[torch.nn.Module]:
         return [pipe.vae.decoder] if getattr(pipe, "vae", None) is not None else []
+
+    def split_lengths(self, checkpoint: Checkpoint, call_kwargs: dict) -> dict[str, int]:
+        """The image tokens (2x2-packed latents: height / multiple x width / multiple) when the call sets the size,
+        and a text the pipeline pads to `max_sequence_length` itself (`cp_text = "fixed"`)."""
+        lengths = {}
+        if "height" in call_kwargs and "width" in call_kwargs:  # else the split check at the first forward speaks
+            multiple = self.size_multiple(checkpoint)
+            lengths["image tokens"] = (call_kwargs["height"] // multiple) * (call_kwargs["width"] // multiple)
+        if self.cp_text == "fixed":
+            default = inspect.signature(self.pipeline_cls().__call__).parameters["max_sequence_length"].default
+            lengths["text tokens (max_sequence_length)"] = call_kwargs.get("max_sequence_length", default)
+        return lengths
 
     def uses_true_cfg(self, negative_prompt: str | None, call_kwargs: dict) -> bool:
         """The stock rule (`do_true_cfg = true_cfg_scale > 1 and has_neg_prompt`), with the pipeline's own default

@@ -10,6 +10,7 @@ from .base import StockPipelineAdapter
 class FluxAdapter(StockPipelineAdapter):
     pipeline_class = "FluxPipeline"
     static_text_length = True
+    cp_text = "fixed"
     text_components = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     encode_kwargs = ("max_sequence_length",)
 

@@ -9,6 +9,7 @@ from .base import StockPipelineAdapter
 class Flux2Adapter(StockPipelineAdapter):
     pipeline_class = "Flux2Pipeline"
     static_text_length = True
+    cp_text = "fixed"
     text_components = ("text_encoder", "tokenizer")
     encode_kwargs = ("max_sequence_length", "text_encoder_out_layers")
     takes_negative_prompt = False

@@ -9,7 +9,8 @@ and a token refiner runs self-attention over the text alone, so padding the text
 Instead, `PackedSequencePadding` appends masked rows to the *packed sequence* (as the reference implementation does
 with `cu_seqlens`) so that the main blocks run at one shape per text-length bucket: real rows never attend to the
 padding, which no output reads. The small token refiner runs at the prompt's own length, so only the main blocks
-are compiled (`compiled_blocks`). H3 is guidance-distilled: no negative prompt.
+are compiled (`compiled_blocks`). Under context parallelism the padded total is rounded up to a multiple of the
+degree, so plain Ulysses splits it evenly whatever the prompt. H3 is guidance-distilled: no negative prompt.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ class PackedSequencePadding:
     """Hooks that pad the transformer's packed sequence to `text bucket + other rows`, with the padding masked out.
 
     A pre-hook on the transformer appends `bucket - num_text_rows` rows (zero hidden state, position 0, text tag,
-    timestep index 0: valid table entries, never read) to the layout tensors; a pre-hook on every main block hands
-    it the matching key mask. `buckets = ()` turns padding off.
+    timestep index 0: valid table entries, never read) to the layout tensors, and more up to a multiple of
+    `multiple` (the context-parallel degree); a pre-hook on every main block hands it the matching key mask.
+    `buckets = ()` and `multiple = 1` turn padding off.
     """
 
     def __init__(self, transformer: torch.nn.Module):
         self.buckets: tuple[int, ...] = ()
+        self.multiple = 1
         self._key_mask = None
         # Torch pre-hooks, compiler-disabled and shared by every block, so the compiled blocks keep one graph.
         self._handles = [transformer.register_forward_pre_hook(self._pad_layout, with_kwargs=True)]
@@ -64,11 +67,12 @@ class PackedSequencePadding:
     @torch.compiler.disable  # layout bookkeeping before the compiled blocks, not part of them
     def _pad_layout(self, module, args, kwargs):
         self._key_mask = None
-        if not self.buckets:
+        if not self.buckets and self.multiple == 1:
             return None
         text_rows = kwargs["text_indices"].numel()
-        extra = bucket_for(self.buckets, text_rows, "MiniMax-H3") - text_rows
+        extra = bucket_for(self.buckets, text_rows, "MiniMax-H3") - text_rows if self.buckets else 0
         rows = kwargs["position_ids"].shape[0]
+        extra += -(rows + extra) % self.multiple
         kwargs["position_ids"] = torch.cat([kwargs["position_ids"], kwargs["position_ids"].new_zeros(extra, 3)])
         kwargs["token_tags"] = torch.cat([kwargs["token_tags"], kwargs["token_tags"].new_full((extra,), _TEXT_TAG)])
         kwargs["timestep_indices"] = torch.cat(
@@ -139,6 +143,9 @@ class MiniMaxH3Adapter(PipelineAdapter):
 
     def transformer_of(self, pipes: H3Pipelines) -> torch.nn.Module:
         return pipes.denoiser.transformer
+
+    def configure_context_parallel(self, pipes: H3Pipelines, multiple: int) -> None:
+        pipes.denoiser.sequence_padding.multiple = multiple
 
     def decoders(self, pipes: H3Pipelines) -> list[torch.nn.Module]:
         """The video and audio decoders' modules (none where this rank does not decode)."""

@@ -16,6 +16,15 @@ class QwenImage21Adapter(StockPipelineAdapter):
     text_components = ("text_encoder",)
     shared_components = ("processor",)  # the pipeline's `__init__` tokenizes its chat template
     guidance_kwarg = "true_cfg_scale"
+    #: Under context parallelism (`parallel/context_qwenimage21.py`): unbucketed, the joint sequence's length follows
+    #: the prompt, so Ulysses runs in `ulysses_anything`; opted-in buckets pad it with masked positions instead.
+    cp_text = "none"
+
+    def split_lengths(self, checkpoint, call_kwargs: dict) -> dict[str, int]:
+        """The target image's tokens (one per 16 x 16 pixels); the text is a bucket, rounded to the degree."""
+        if "height" not in call_kwargs or "width" not in call_kwargs:
+            return {}
+        return {"image tokens": (call_kwargs["height"] // 16) * (call_kwargs["width"] // 16)}
 
     #: `QwenImage21Rope` keeps 1024 negative positions (its table is 8192 positive + 1024 negative, tested). An image
     #: block numbers its rows and columns from -(side - side // 2), so a side above 2048 latent tokens would index past

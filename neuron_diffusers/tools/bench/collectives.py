@@ -29,7 +29,8 @@ from ..plan.cases import reference_call
 from ..spawn import run_on_cpu_ranks
 
 KINDS = {"all_reduce": ("all_reduce", "allreduce"), "all_gather": ("all_gather", "allgather"),
-         "reduce_scatter": ("reduce_scatter",), "broadcast": ("broadcast",), "all_to_all": ("all_to_all", "alltoall")}
+         "reduce_scatter": ("reduce_scatter",), "broadcast": ("broadcast",), "all_to_all": ("all_to_all", "alltoall"),
+         "p2p": ("send", "recv")}  # point-to-point: what a ring attention that rotates by P2P would issue
 
 
 def _kind(op_name: str) -> str | None:

@@ -1,0 +1,450 @@
+"""Context parallelism (Ulysses, ring) with TP, CFG and DP: equal to one process, or refused with the reason.
+
+One 4-rank spawn carries every multi-rank check (each spawn costs seconds of imports per rank): diffusers' own API
+(`from_pretrained` and `enable_parallelism` with TP and CP in one `ParallelConfig`) for all five families, the
+runner (`load_pipeline(...).generate(...)`, the job, CFG pairs), and a compiled model under CP. References run in
+this process.
+"""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from cp_jobs import NEGATIVE, PROMPT, cp_job, family_calls
+from diffusers import ContextParallelConfig
+from test_compile import PROMPTS  # 20 prompts of 1 to 95 words
+
+from neuron_diffusers import tiny
+from neuron_diffusers.checkpoint import resolve
+from neuron_diffusers.distributed import mesh_order
+from neuron_diffusers.parallel import context
+from neuron_diffusers.parallel.context_qwenimage21 import block_causal_mask, chunk
+from neuron_diffusers.runner import check_context_parallel_call
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
+
+FAMILIES = tiny.FAMILIES
+TOL = 1e-5
+U2, R2 = dict(ulysses_degree=2), dict(ring_degree=2)
+U2ANY, R2ANY = dict(ulysses_degree=2, ulysses_anything=True), dict(ring_degree=2, ring_anything=True)
+#: Per family, tp=2 with Ulysses through one entry point and ring through the other (Qwen-Image-2.1: Ulysses only,
+#: ring is refused at load, below), each with the transformer calls that tell the most: (path, label, config, calls).
+#: Every (label, call) in MATCHES must equal one process; every other one must raise the error REFUSED names.
+API_CASES = {
+    "flux": [("from_pretrained", "u2", U2, ["pipeline", "text7"]),
+             ("enable_parallelism", "r2any", R2ANY, ["pipeline", "text7"])],
+    "flux2": [("from_pretrained", "r2", R2, ["pipeline", "text7"]),
+              ("enable_parallelism", "u2any", U2ANY, ["text7"])],
+    # The pipeline's own call has 11 text tokens; padded4 pads them to 12 with masked positions.
+    "qwenimage": [("from_pretrained", "u2", U2, ["pipeline", "padded4"]),
+                  ("enable_parallelism", "r2any", R2ANY, ["pipeline", "text7", "padded4"])],
+    # A packed sequence of 457 rows (the runner pads it to a multiple of the degree: tested below).
+    "h3": [("from_pretrained", "r2any", R2ANY, ["pipeline"]),
+           ("enable_parallelism", "u2", U2, ["pipeline"]),
+           ("enable_parallelism", "u2any", U2ANY, ["pipeline"])],
+    # 18 joint rows (14 text + 4 image) with the KV cache extracted, then read, and without; 17 rows ("_odd").
+    "qwenimage21": [("from_pretrained", "u2", U2, ["extract", "cached", "nocache", "extract_odd"]),
+                    ("enable_parallelism", "u2any", U2ANY, ["extract_odd", "cached_odd", "nocache_odd"])],
+}
+MATCHES = {
+    "flux": {("u2", "pipeline"), ("r2any", "pipeline"), ("r2any", "text7")},
+    "flux2": {("r2", "pipeline"), ("u2any", "text7")},
+    "qwenimage": {("u2", "padded4"), ("r2any", "pipeline"), ("r2any", "text7")},
+    "h3": {("r2any", "pipeline"), ("u2any", "pipeline")},
+    "qwenimage21": {("u2", "extract"), ("u2", "cached"), ("u2", "nocache"), ("u2any", "extract_odd"),
+                    ("u2any", "cached_odd"), ("u2any", "nocache_odd")},
+}
+REFUSED = {
+    "split": "cannot split evenly",
+    "ring_mask": "ring attention applies each rank's mask",
+}
+#: The runner's job runs for these families (every family's `generate` is checked): MiniMax-H3 for its MP4 + WAV,
+#: Qwen-Image for its masked text buckets; FLUX.2's job runs in docs/context_parallel.md.
+JOB_FAMILIES = ("qwenimage", "h3")
+#: Compiled under tp=2 x ulysses=2: Qwen-Image, whose masked text buckets make every prompt length static (the
+#: other families measured by hand, see docs/context_parallel.md), two buckets (the 20 prompts,
+#: 30 to 261 tokens with the chat template, fall in both; every bucket compiled costs seconds per rank).
+COMPILED, COMPILED_BUCKETS = "qwenimage", (128, 512)
+
+
+def _expected_refusal(family, config, call):
+    return "ring_mask" if (family, config, call) == ("qwenimage", "r2any", "padded4") else "split"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoint):
+    return {family: tiny_checkpoint(family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def calls(checkpoints):
+    return {family: family_calls(checkpoints[family], family) for family in FAMILIES}
+
+
+def _job_argv(out, family, checkpoint):
+    call = tiny.smallest_call(family)
+    return ["--model", str(checkpoint), "--prompt", PROMPT, "--out", str(out / family), "--tp", "2",
+            "--ulysses", "2", "--height", str(call["height"]), "--width", str(call["width"]),
+            "--steps", str(call["num_inference_steps"])]
+
+
+@pytest.fixture(scope="module")
+def cp_report(checkpoints, calls, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp_jobs")
+    runner = ({family: tiny.smallest_call(family) for family in FAMILIES},
+              {family: _job_argv(out, family, checkpoints[family]) for family in JOB_FAMILIES},
+              tiny.smallest_call("qwenimage"))
+    compiled = ({COMPILED: checkpoints[COMPILED]}, {COMPILED: tiny.smallest_call(COMPILED)},
+                {COMPILED: {"buckets": COMPILED_BUCKETS}}, PROMPTS, "aot_eager")
+    reports = run_on_cpu_ranks(cp_job, 4, checkpoints, calls, API_CASES, runner, compiled, timeout_s=1800)
+    print("seconds per part on rank 0:", reports[0]["seconds"])
+    return reports
+
+
+@pytest.fixture(scope="module")
+def api_report(cp_report):
+    return [{"matrix": r["matrix"], "checks": r["checks"]} for r in cp_report]
+
+
+@pytest.fixture(scope="module")
+def runner_report(cp_report):
+    return [r["runner"] for r in cp_report]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_x_cp2_through_diffusers_api_matches_one_process_or_says_why_not(api_report, family):
+    """tp=2 x ulysses=2 and tp=2 x ring=2 (plain and *_anything) on 4 ranks, both entry points, odd text lengths."""
+    for path, config, _, names in API_CASES[family]:
+        key = (family, path, config)
+        assert all(r["matrix"][(*key, "tp_halves")] for r in api_report), f"{key}: each rank holds its TP slice"
+        for call in names:
+            results = [r["matrix"][(*key, call)] for r in api_report]
+            where = (*key, call)
+            if (config, call) in MATCHES[family]:
+                assert all(isinstance(r, float) and r < TOL for r in results), (where, results)
+            else:
+                words = REFUSED[_expected_refusal(family, config, call)]
+                assert all(isinstance(r, str) and words in r for r in results), (where, results)
+                assert len(set(results)) == 1, f"{where}: ranks disagree on the error: {results}"
+    covered = {(config, call) for _, config, _, names in API_CASES[family] for call in names}
+    assert MATCHES[family] <= covered
+
+
+@pytest.mark.parametrize("family", ("flux", "flux2", "qwenimage", "qwenimage21"))
+def test_split_lengths_are_the_transformers_sequences(checkpoints, calls, family):
+    """What the runner checks up front is what the CP plan splits: the image tokens (and FLUX's text)."""
+    checkpoint = resolve(checkpoints[family])
+    call = tiny.smallest_call(family)
+    _, kwargs, _ = calls[family]["extract" if family == "qwenimage21" else "pipeline"]
+    lengths = checkpoint.adapter.split_lengths(checkpoint, call)
+    assert lengths["image tokens"] == kwargs["hidden_states"].shape[1]
+    if family in ("flux", "flux2"):
+        assert lengths["text tokens (max_sequence_length)"] == kwargs["encoder_hidden_states"].shape[1]
+
+
+def test_user_mesh_in_either_order(api_report):
+    for rank, report in enumerate(api_report):
+        checks = report["checks"]
+        assert checks["user_mesh", "ulysses_inner"] < TOL and checks["user_mesh", "tp_inner"] < TOL
+        # ulysses-inner: Ulysses groups are contiguous runs of ranks, TP groups strided; tp-inner the other way round
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert checks["groups", "ulysses_inner"]["ulysses"] == pair
+        assert checks["groups", "ulysses_inner"]["tp"] == [rank % 2, rank % 2 + 2]
+        assert checks["groups", "tp_inner"]["tp"] == pair
+
+
+def test_context_parallel_alone_through_from_pretrained(api_report):
+    for report in api_report:
+        assert report["checks"]["cp_only_from_pretrained"] < TOL
+
+
+def test_stock_order_bypasses_coalesced_blocks(api_report):
+    """Why the CP hooks go on after TP: diffusers' hooks keep the block forward that TP's coalescing then replaces."""
+    for report in api_report:
+        assert report["checks"]["stock_order_qwen"] > 1e-3
+
+
+def test_failed_enable_parallelism_leaves_model_untouched(api_report):
+    for report in api_report:
+        rollback = report["checks"]["rollback"]
+        assert isinstance(rollback, dict), rollback
+        assert "injected failure" in rollback["error"]
+        assert rollback["params_restored"] and rollback["config_cleared"]
+        assert rollback["hooks_left"] == rollback["registries_left"] == rollback["forward_overrides_left"] == 0
+        assert rollback["processors_configured"] == 0  # no attention left routed through Ulysses
+        assert report["checks"]["rollback_output_diff"] == 0.0
+
+
+def test_bad_requests_refused_before_any_weight_is_read(api_report):
+    reports = api_report
+    rejections = reports[0]["checks"]["rejections"]
+    assert all(report["checks"]["rejections"] == rejections for report in reports), "ranks disagree"
+    assert "does not divide the world size 4" in rejections["world"]
+    assert "tp=2 x ulysses=2 x ring=1" in rejections["world"]  # the layouts that work are listed
+    assert "does not divide the world size 4" in rejections["cp_only_world"]
+    assert "ring_degree=2" in rejections["mesh_degree"]
+    assert "both must come from one mesh" in rejections["tp_mesh_only"]
+    assert "block-causal attention needs Ulysses" in rejections["qwenimage21_ring"]
+
+
+# --- the runner, the job, CFG pairs (one 4-rank spawn) ------------------------------------------------------------
+
+
+def _stock(checkpoint, family, call, **extra):
+    """The stock pipeline alone in this process: image (float HWC in [0, 1]) or H3's frames and audio."""
+    from diffusers import DiffusionPipeline
+
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        if family == "h3":
+            pipe = resolve(checkpoint).adapter.load_stock(resolve(checkpoint))
+            out = pipe(prompt=PROMPT, generator=generator, output_type="pt",
+                       output=["videos", "audio", "sampling_rate"], **call)
+            return {"frames": out["videos"][0].numpy(), "audio": out["audio"][0].numpy(),
+                    "fps": float(pipe.fps), "sampling_rate": int(out["sampling_rate"])}
+        pipe = DiffusionPipeline.from_pretrained(checkpoint)
+        image = pipe(prompt=PROMPT, generator=generator, output_type="np", **call, **extra).images[0]
+    return {"image": image}
+
+
+def _assert_close(output: dict, reference: dict, what: str):
+    for name, expected in reference.items():
+        if not isinstance(expected, np.ndarray):
+            continue
+        assert output[name].shape == expected.shape, (what, name)
+        difference = np.abs(output[name].astype(np.float64) - expected.astype(np.float64)).mean()
+        assert difference < 1 / 255, f"{what} {name}: mean abs difference {difference:.5f}"
+
+
+def test_runner_mesh_and_image_group(runner_report):
+    for rank, report in enumerate(runner_report):
+        assert report["mesh"] == (("dp", "cfg", "tp", "ring", "ulysses"), (1, 1, 2, 1, 2))
+        assert report["group"] == [0, 1, 2, 3] and report["leader"] == (rank == 0)
+        assert report["cfg_mesh"] == (("dp", "cfg", "tp", "ring", "ulysses"), (1, 2, 1, 1, 2))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_x_ulysses2_generate_and_the_job_give_the_stock_image(runner_report, checkpoints, family, tmp_path):
+    leader = runner_report[0]
+    reference = _stock(checkpoints[family], family, tiny.smallest_call(family))
+    result = leader["generate"][family]
+    _assert_close(result["output"], reference, f"generate {family}")
+    assert result["encoder"] and not any(r["generate"][family]["encoder"] for r in runner_report[1:])
+    assert all(r["generate"][family]["output"] is None for r in runner_report[1:]), "only the leader returns images"
+    assert result["buckets"] == tuple(b for b in result["buckets"] if b % 2 == 0), "buckets split in equal halves"
+    assert result["mode"][:2] == ((True, False) if family == "qwenimage21" else (False, False))
+
+    if family not in JOB_FAMILIES:
+        return
+    job = leader["jobs"][family]
+    assert all(r["jobs"][family] is None for r in runner_report[1:])
+    assert job["summary"]["mesh"] == {"dims": ["dp", "cfg", "tp", "ring", "ulysses"], "shape": [1, 1, 2, 1, 2],
+                                      "world_size": 4}
+    if family == "h3":  # the WAV holds the samples as they are; the MP4 went through the same encoder as stock's
+        _assert_close({"audio": _wav(job["files"]["00000-a-red-fox-in-the-snow.wav"])},
+                      {"audio": reference["audio"]}, "job h3")
+        _assert_close({"frames": _mp4(job["files"]["00000-a-red-fox-in-the-snow.mp4"])},
+                      {"frames": _encoded_stock_frames(reference, tmp_path)}, "job h3")
+    else:
+        from PIL import Image
+
+        pixels = np.asarray(Image.open(io.BytesIO(job["files"]["00000-a-red-fox-in-the-snow.png"])))
+        settings = Image.open(io.BytesIO(job["files"]["00000-a-red-fox-in-the-snow.png"])).text
+        assert settings["ulysses"] == "2" and settings["tp"] == "2"
+        _assert_close({"image": pixels / 255.0}, reference, f"job {family}")
+
+
+def _wav(data: bytes) -> np.ndarray:
+    import wave
+
+    with wave.open(io.BytesIO(data)) as file:
+        samples = np.frombuffer(file.readframes(file.getnframes()), dtype=np.int16)
+        return samples.reshape(-1, file.getnchannels()).T / 32768.0
+
+
+def _mp4(data: bytes) -> np.ndarray:
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]) / 255.0
+
+
+def _encoded_stock_frames(reference: dict, tmp_path) -> np.ndarray:
+    from neuron_diffusers.media import VideoWithAudio, save_video
+
+    video = VideoWithAudio(frames=torch.from_numpy(reference["frames"]), fps=reference["fps"],
+                           audio=torch.from_numpy(reference["audio"]), sampling_rate=reference["sampling_rate"])
+    path = save_video(video, tmp_path / "stock.mp4")[0]
+    return _mp4(path.read_bytes())
+
+
+def test_collectives_of_one_forward_by_kind(runner_report):
+    """What `bench cp` counts: TP's all-reduces and Ulysses' all-to-alls (q, k, v in; the output back) per forward."""
+    for report in runner_report:
+        calls = report["generate"]["flux"]["collectives"]
+        assert calls["all_to_all"] >= 4 * report["generate"]["flux"]["attentions"] > 0, calls
+        assert calls["all_reduce"] > 0 and calls.get("p2p", 0) == 0, calls
+
+
+def test_bench_cp_table():
+    from neuron_diffusers.tools.bench import collectives
+    from neuron_diffusers.tools.bench.context import format_table
+
+    assert collectives._kind("c10d::send") == collectives._kind("c10d::recv_") == "p2p"
+    layouts = {"tp=2": {"step_seconds": 0.5, "calls": {"all_reduce": 4}, "bytes": {"all_reduce": 2048}},
+               "ulysses=2": {"step_seconds": 0.25, "calls": {"all_to_all": 8}, "bytes": {"all_to_all": 1024}},
+               "one process (tp=1, each rank alone)": {"step_seconds": 1.0, "calls": {}, "bytes": {}}}
+    table = format_table({"model": "flux2", "ranks": 2, "size": 512, "steps": 2, "repeats": 3, "layouts": layouts})
+    assert "| tp=2 | 0.5000 | 0.50x | 4 | 0 | 0 | 0 | 2.0 |" in table
+    assert "| ulysses=2 | 0.2500 | 0.25x | 0 | 0 | 8 | 0 | 1.0 |" in table
+
+
+def test_group_wide_latent_check(runner_report):
+    """Ranks of one TP group agree but the Ulysses pairs start from different noise: still caught."""
+    for report in runner_report:
+        assert "image group (TP x context parallel)" in report["generate"]["flux"]["divergence"]
+
+
+def test_cfg2_x_ulysses2_true_cfg_gives_the_stock_image(runner_report, checkpoints):
+    call = tiny.smallest_call("qwenimage")
+    reference = _stock(checkpoints["qwenimage"], "qwenimage", call, negative_prompt=NEGATIVE, true_cfg_scale=4.0)
+    _assert_close(runner_report[0]["cfg"]["output"], reference, "cfg2 x ulysses2")
+    assert [r["cfg"]["forwards"] for r in runner_report] == [call["num_inference_steps"]] * 4  # one branch each
+    assert all(r["cfg"]["output"] is None for r in runner_report[1:])
+
+
+# --- one process ----------------------------------------------------------------------------------------------------
+
+
+def test_layout_checks_name_what_works():
+    assert context.layout_problem(24, 64, 8, 4, 2) == ("ulysses=4 does not divide the 3 heads each tensor-parallel "
+                                                       "rank keeps (24 heads / tp=8)")
+    assert context.layout_problem(56, 64, 2, 4, 8) is None  # MiniMax-H3: tp2 x ulysses4 x ring8 fills 64 cores
+    assert context.layout_problem(56, 64, 4, 4, 4) is not None  # 14 local heads do not split 4 ways
+    assert context.layout_problem(30, 8, 1, 8, 1, ulysses_anything=True) is None  # diffusers' own example
+    assert context.layout_problem(30, 16, 1, 16, 1, ulysses_anything=True) is not None
+    assert context.Layout(1, 1, 2, 1, 2) in context.valid_layouts(4, 4)
+    assert context.Layout(2, 2, 2, 1, 1) in context.valid_layouts(4, 8, cfg=(1, 2))
+    with pytest.raises(ValueError, match=r"does not divide the 6 heads .* work .*tp=4 x ulysses=2 x ring=2"):
+        context.check_layout("M", 24, 16, tp=4, ulysses=4, ring=1)
+
+
+def test_every_family_fills_64_ranks_with_one_image():
+    for count in (24, 32, 48, 56):  # FLUX.1 / Qwen-Image, Qwen-Image-2.1, FLUX.2, MiniMax-H3
+        assert any(layout.group == 64 for layout in context.valid_layouts(count, 64)), count
+
+
+def test_mesh_order_keeps_ring_before_ulysses():
+    assert mesh_order("tp-inner")[-1] == "tp" and mesh_order("ulysses-inner")[-1] == "ulysses"
+    assert mesh_order(("tp", "dp", "cfg", "ring", "ulysses"))
+    with pytest.raises(ValueError, match="'ring' first"):
+        mesh_order(("dp", "cfg", "tp", "ulysses", "ring"))
+    with pytest.raises(ValueError, match="exactly once"):
+        mesh_order(("dp", "tp", "ring", "ulysses"))
+
+
+def test_runner_mode_per_family_kind():
+    assert context.runner_mode("FLUX.1", "fixed", 2, 2, False) == context.RunnerMode(False, False, True)
+    assert context.runner_mode("Qwen-Image", "masked", 2, 1, False) == context.RunnerMode(False, False, True)
+    # ring cannot take masked padding: ring alone runs unpadded in ring_anything, ring x ulysses is refused
+    assert context.runner_mode("Qwen-Image", "masked", 1, 2, False) == context.RunnerMode(False, True, False)
+    with pytest.raises(ValueError, match="ring attention cannot take"):
+        context.runner_mode("MiniMax-H3", "masked", 2, 2, False)
+    assert context.runner_mode("Qwen-Image-2.1", "none", 2, 1, False) == context.RunnerMode(True, False, True)
+    with pytest.raises(ValueError, match="block-causal attention needs Ulysses"):
+        context.runner_mode("Qwen-Image-2.1", "none", 1, 2, False)
+    with pytest.raises(ValueError, match="Ulysses or ring alone"):
+        context.runner_mode("FLUX.1", "fixed", 2, 2, True)
+    assert context.round_buckets((64, 128, 256), 3) == (66, 129, 258)
+
+
+def test_chunks_are_what_tensor_split_cuts():
+    for n in (17, 18, 457):
+        for parts in (2, 3, 4):
+            sizes = [t.numel() for t in torch.arange(n).tensor_split(parts)]
+            assert [chunk(n, parts, i)[1] - chunk(n, parts, i)[0] for i in range(parts)] == sizes
+
+
+def test_block_causal_mask_is_the_stock_segments():
+    """Text causal, an image block bidirectional and seeing all before it, the target everything, padding never."""
+    segments = [(0, 3, True), (3, 5, False), (5, 6, True)]
+    key_valid = torch.tensor([[True, True, True, True, True, False, True, True]])
+    mask = block_causal_mask(segments, 8, key_valid, "cpu")[0, 0]
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 1, 1], [1, 1, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+def test_image_sizes_that_do_not_split_are_refused_with_sizes_that_do(checkpoints):
+    checkpoint = resolve(checkpoints["qwenimage"])
+    call = {"height": 48, "width": 48}  # 3 x 3 image tokens
+    with pytest.raises(ValueError, match=r"image tokens = 9 is not a multiple of 2.*48x64.*cp_any_length"):
+        check_context_parallel_call(checkpoint.adapter, checkpoint, call, 2)
+    check_context_parallel_call(checkpoint.adapter, checkpoint, {"height": 48, "width": 64}, 2)
+    check_context_parallel_call(checkpoint.adapter, checkpoint, call, 1)
+
+
+def _plan(tmp_path, checkpoints, world_size, *extra):
+    from neuron_diffusers.cli import _parser
+    from neuron_diffusers.job import plan_job
+
+    extra = [str(checkpoints.get(word, word)) for word in extra]  # family names -> this session's tiny checkpoints
+    args = _parser().parse_args(["generate", "--prompt", "a fox", "--out", str(tmp_path / "out"), *extra])
+    return plan_job(args, world_size, "cpu")
+
+
+def test_job_plans_context_parallel_layouts(tmp_path, checkpoints):
+    plan = _plan(tmp_path, checkpoints, 8, "--model", "flux2", "--ulysses", "2", "--ring", "2")
+    assert (plan.tp, plan.ulysses, plan.ring, plan.dp) == (2, 2, 2, 1)
+    plan = _plan(tmp_path, checkpoints, 8, "--model", "flux", "--tp", "2", "--ulysses", "2")
+    assert plan.dp == 2 and plan.group == 4
+
+
+BAD_CP_INPUT = {
+    "world": (4, ["--model", "flux", "--tp", "2", "--ulysses", "4"], "does not divide the world size 4"),
+    "heads": (8, ["--model", "flux", "--tp", "2", "--ulysses", "4"],
+              "ulysses=4 does not divide the 2 heads each tensor-parallel rank"),
+    "size": (4, ["--model", "qwenimage", "--ulysses", "4", "--height", "48", "--width", "48"],
+             "Request 0 (48x48)"),
+    "ring + block-causal": (2, ["--model", "qwenimage21", "--ring", "2"], "needs Ulysses"),
+    "ring x ulysses + masked": (4, ["--model", "h3", "--ring", "2", "--ulysses", "2"], "ring attention cannot take"),
+    "compile + any length": (2, ["--model", "qwenimage21", "--ulysses", "2", "--compile", "eager"],
+                             "needs static shapes"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CP_INPUT)
+def test_bad_context_parallel_input_is_refused_before_anything_starts(tmp_path, checkpoints, case):
+    world_size, extra, message = BAD_CP_INPUT[case]
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _plan(tmp_path, checkpoints, world_size, *extra)
+    assert not (tmp_path / "out").exists()
+
+
+def test_anything_modes_are_not_compiled(checkpoints):
+    """`compile_repeated_blocks` refuses a model in an *_anything mode before tracing (graph breaks otherwise)."""
+    from neuron_diffusers.compile import _refuse_any_length
+
+    model = resolve(checkpoints["flux"]).transformer_class().from_pretrained(checkpoints["flux"],
+                                                                             subfolder="transformer")
+    _refuse_any_length(model)  # no parallelism: nothing to refuse
+    model._parallel_config = type("Config", (), {"context_parallel_config": ContextParallelConfig(
+        ulysses_degree=2, ulysses_anything=True)})()
+    with pytest.raises(ValueError, match="ulysses_anything mode"):
+        _refuse_any_length(model)
+
+
+# --- compiled under context parallelism (in the shared spawn) ------------------------------------------------------
+
+
+def test_compiled_under_ulysses_no_breaks_no_new_graphs_equals_eager(cp_report):
+    """tp=2 x ulysses=2, `aot_eager`: warm-up compiles every text bucket, then 20 prompt lengths compile nothing."""
+    for rank, report in enumerate(cp_report):
+        result = report["compiled"][COMPILED]
+        assert result["graph_breaks"] == 0, f"rank {rank}: {result}"
+        assert result["graphs_after_warmup"] >= len(COMPILED_BUCKETS)  # one (two: block 0's hook) per bucket
+        assert result["new_graphs"] == 0 and result["new_recompiles"] == 0, f"rank {rank}: {result}"
+    assert cp_report[0]["compiled"][COMPILED]["diff"] < 1e-5
