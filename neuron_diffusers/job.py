@@ -51,6 +51,7 @@ from .distributed import (
 from .media import InputImage, save_json
 from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import check_loras, parse_lora_option
+from .parallel.vae import resolve_parallel_vae
 from .pipelines.image_inputs import check_image_kwargs
 from .runner import load_pipeline
 
@@ -116,6 +117,9 @@ class JobPlan:
     loras: list = field(default_factory=list)
     #: `--cache`: the diffusers step-cache config every rank installs (None: no cache).
     cache: object = None
+    #: `--parallel-vae` (True), `--no-parallel-vae` or no request the default would split (False), else None (the
+    #: default per VAE class and image size, `load_pipeline`'s).
+    parallel_vae: bool | None = None
 
 
 def read_prompt_file(path: Path) -> list[dict]:
@@ -326,11 +330,16 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
                          "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
                          "--cfg-parallel (the requests then run with serial CFG).")
     check_cfg_degree(pairs, tp, world_size)  # only once pairs are known to be needed: a fallback runs on any world
+    parallel_vae = args.parallel_vae
+    min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"), tp)
+    if parallel_vae is None and min_pixels is not None and all(r.height * r.width < min_pixels for r in requests):
+        parallel_vae = False  # the default would split none of these: the other ranks need not hold the VAE
     check_loras(checkpoint, loras)  # last, the slowest: each file read and checked against the transformer's config
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     return JobPlan(checkpoint, requests, args.out, tp, world_size, dtype,
                    settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=pairs,
-                   true_cfg=true_cfg, notes=notes, loras=[spec.record() for spec in loras], cache=cache)
+                   true_cfg=true_cfg, notes=notes, loras=[spec.record() for spec in loras], cache=cache,
+                   parallel_vae=parallel_vae)
 
 
 def _no_pairs_note(adapter, world_size: int, tp: int) -> str:
@@ -408,7 +417,8 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
 def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compile_backend, warm: bool, dp: int):
     """Load, compile, and generate this TP group's `work`; returns the saved images' records and the phases."""
     pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype),
-                         loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache)
+                         loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache,
+                         parallel_vae=plan.parallel_vae)
     compile_start = time.perf_counter()
     if compile_backend:
         compile_repeated_blocks(pipe, backend=compile_backend)
@@ -488,6 +498,7 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
         "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size},
         "dtype": plan.dtype,
         "loras": plan.loras,
+        "parallel_vae": plan.parallel_vae,
         "neuron_diffusers": __version__,
         "requests": len(plan.requests),
         "generated": len(images),
@@ -552,6 +563,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--true-cfg-scale", type=float, default=None,
                         help="FLUX.1's true CFG scale (with --negative-prompt); Qwen-Image / 2.1 take it from "
                              "--guidance")
+    parser.add_argument("--parallel-vae", action=argparse.BooleanOptionalAction, default=None,
+                        help="every rank of a TP group decodes (and encodes) one piece of each image, so none idles "
+                             "and the decode's memory is split; --no-parallel-vae: the TP leader decodes alone "
+                             "(default: MiniMax-H3 always, the others from 1024 x 1024 pixels, with tp > 1)")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     parser.add_argument("--steps", type=positive_int, default=4)

@@ -3,7 +3,8 @@
 The one data path, per TP group: resolve the checkpoint → read its config (all checks happen here, before any
 weight is read) → stream each rank's transformer slice → the leader (TP rank 0) loads the text encoder on CPU,
 encodes each prompt once and broadcasts the embeddings → every rank denoises the same CPU-seeded noise with the
-stock pipeline, checking that the group's latents agree → the leader decodes and returns the image.
+stock pipeline, checking that the group's latents agree → the leader decodes and returns the image (with parallel
+VAE, every rank of the TP group decodes one piece of it, `parallel/vae.py`).
 
 With `cache=` (a diffusers step-cache config) the transformer runs diffusers' cache hooks with every skip decision
 shared by its group (`parallel/cache.py`), and each image's forwards computed vs served from the cache are kept.
@@ -45,6 +46,7 @@ from .distributed import (
 from .parallel.cache import GroupCache, check_cache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
 from .parallel.lora import FusedLoras, check_loras
+from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
 from .pipelines.image_inputs import check_image_kwargs, reads_image, shared_image_inputs, vae_without_coders
 from .timing import PhaseTimes
@@ -71,8 +73,9 @@ class TPPipeline:
     """A stock diffusers pipeline whose transformer is sharded over `mesh["tp"]`.
 
     `encoder` (the text components, on CPU) exists only on the TP group's leader; `pipe` (transformer, scheduler,
-    and the VAE on the leader) on every rank. On a mesh with a `cfg` dimension every TP group of a CFG pair has its
-    own leader with its own encoder and VAE, so either group can also serve requests alone.
+    and the VAE on the leader, or with parallel VAE on every rank) on every rank. On a mesh with a `cfg` dimension
+    every TP group of a CFG pair has its own leader with its own encoder and VAE, so either group can also serve
+    requests alone.
     """
 
     adapter: PipelineAdapter
@@ -90,6 +93,8 @@ class TPPipeline:
     #: With a step cache: per image this rank denoised, its transformer forwards computed and served from the cache
     #: (`{"computed", "cached", "by_context"}`; with CFG parallelism both branches', summed over the pair).
     cache_counts: list = field(default_factory=list)
+    #: The VAE split over the TP group (`load_pipeline(parallel_vae=...)`), or None: the leader decodes alone.
+    parallel_vae: ParallelVAE | None = None
 
     def __post_init__(self):
         self.times.time_module(self.adapter.transformer_of(self.pipe), "transformer forward")
@@ -181,19 +186,21 @@ class TPPipeline:
         generator = torch.Generator("cpu").manual_seed(seed)
         check = LatentAgreement(self.mesh["tp"].get_group(), every=check_latents_every, cfg_group=cfg_group)
         proxy = cfg_parallel_transformer(self.pipe, cfg_group) if joint else nullcontext()
+        splits_vae = self._splits_vae(pipeline_kwargs)
         images = nullcontext()
         if image_kwargs:
             tp_mesh = self.mesh["tp"]
-            images = shared_image_inputs(self.pipe, vae=self.pipe.vae if self.is_leader else self.follower_vae(),
+            images = shared_image_inputs(self.pipe, vae=self.follower_vae() if self.follower_vae else self.pipe.vae,
                                          encoder=self.encoder, tp_group=tp_mesh.get_group(), pair_group=cfg_group,
-                                         device=mesh_device(tp_mesh), decodes=self.is_leader, text_encode=in_call)
+                                         device=mesh_device(tp_mesh), decodes=self.is_leader or splits_vae,
+                                         text_encode=in_call)
         cache = self.cache
         with torch.no_grad(), self.times.phase("denoise + decode"), proxy, images, \
                 cache.pipeline_call() if cache is not None else nullcontext():
             # CFG rank 1 gets prompt and negative swapped: its pipeline derives the uncond inputs for the cond call.
             output = self.adapter(self.pipe, swap_branches(embeds) if branch else embeds, generator=generator,
                                   decodes=self.is_leader and branch == 0, check=check, buckets=self.buckets,
-                                  **pipeline_kwargs)
+                                  helps_decode=splits_vae and branch == 0, **pipeline_kwargs)
         if cache is not None:
             counts = [cache.counts.as_dict()]
             if joint:  # each rank of the pair computed one branch of this image: count both
@@ -201,6 +208,15 @@ class TPPipeline:
                 dist.all_gather_object(counts, cache.counts.as_dict(), group=cfg_group)
             self.cache_counts.append(sum_counts(counts))
         return output
+
+    def _splits_vae(self, pipeline_kwargs: dict) -> bool:
+        """Whether this call's decode (and encode) is split over the TP group, telling the VAE: with parallel VAE on
+        and an image large enough (`ParallelVAE.splits`); otherwise the leader decodes alone."""
+        if self.parallel_vae is None:
+            return False
+        self.parallel_vae.enabled = self.parallel_vae.splits(pipeline_kwargs.get("height"),
+                                                             pipeline_kwargs.get("width"))
+        return self.parallel_vae.enabled
 
     def _collect_pair(self, outputs: dict, count: int, joint: bool) -> list | None:
         """Every image of the call, in order, on the pair's leader (the other group's leader sends its share)."""
@@ -274,15 +290,17 @@ def load_pipeline(
     buckets: tuple[int, ...] | None = None,
     loras=(),
     cache=None,
+    parallel_vae: bool | None = None,
 ) -> TPPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over `mesh["tp"]`.
 
     `model` is a checkpoint folder, a Hub id, a tiny family name, or an already resolved `Checkpoint`. `mesh`
     defaults to `init_distributed()` (all ranks in one TP group). Only the TP group's leader loads the text encoder
-    (on CPU) and the VAE; on a ("dp", "cfg", "tp") mesh each TP group of a CFG pair has its own leader, so the pair
-    can split requests that do not use true CFG (a ("dp", "tp") mesh of the same size loads the same). `buckets`
-    overrides the family's static text lengths (`()` turns padding off). `loras` (`[(path_or_hub_id, scale), ...]`)
-    are read and checked before any weight is read, then fused into each rank's shard (see `TPPipeline.set_loras`).
+    (on CPU), and the VAE unless parallel VAE is on; on a ("dp", "cfg", "tp") mesh each TP group of a CFG pair has
+    its own leader, so the pair can split requests that do not use true CFG (a ("dp", "tp") mesh of the same size
+    loads the same). `buckets` overrides the family's static text lengths (`()` turns padding off). `loras`
+    (`[(path_or_hub_id, scale), ...]`) are read and checked before any weight is read, then fused into each rank's
+    shard (see `TPPipeline.set_loras`).
 
     `pipeline_class` (a stock class or its name) runs the folder with another class on the same transformer, e.g.
     FluxKontextPipeline, FluxImg2ImgPipeline or FluxInpaintPipeline on a FLUX.1 folder; default: the class the
@@ -292,6 +310,12 @@ def load_pipeline(
     `cache` is a diffusers step-cache config (`FirstBlockCacheConfig`, `TaylorSeerCacheConfig`, `MagCacheConfig`),
     installed with decisions shared by the TP group (`parallel/cache.py`); it is tried on the meta-device transformer
     before any weight is read.
+
+    `parallel_vae=True` loads the VAE on every rank of the TP group and splits each decode (and each encode of an
+    input image) over the group, with the stock result within float32 rounding (`parallel/vae.py`); `False` decodes
+    and encodes on the leader alone; `None` (default) loads it on every rank where the VAE class can be split and
+    splits the calls where that pays (`parallel.vae.DEFAULT_MIN_PIXELS`: MiniMax-H3 always, the others from 1024 x
+    1024). `True` with a VAE it cannot split is refused before any weight is read.
     """
     checkpoint = resolve(model, pipeline_class)
     if cache is not None:
@@ -302,6 +326,7 @@ def load_pipeline(
     tp_mesh = mesh["tp"]
     device = mesh_device(tp_mesh)
     leader = is_tp_leader(mesh)
+    vae_min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"), tp_mesh.size())
     # A TP degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is
     # read (see `parallel/patches.py`).
     parallel = {"parallel_config": TensorParallelConfig(mesh=tp_mesh)} if tp_mesh.size() > 1 else {}
@@ -318,15 +343,19 @@ def load_pipeline(
         enable_group_cache(transformer, cache, tp_mesh.get_group() if tp_mesh.size() > 1 else None)
     with times.phase("load other components"):
         encoder = adapter.load_encoder(checkpoint, torch_dtype) if leader else None
-        pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader)
+        pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader,
+                                     helps_decode=vae_min_pixels is not None)
         follower_vae = None
-        if not leader and "image" in adapter.call_parameters():
+        if not leader and vae_min_pixels is None and "image" in adapter.call_parameters():
             dtype = torch_dtype or torch.float32
             follower_vae = functools.cache(functools.partial(vae_without_coders, checkpoint, dtype))
+    handle = None
+    if vae_min_pixels is not None:
+        handle = enable_parallel_vae(adapter.vae(pipe), tp_mesh.get_group(), min_pixels=vae_min_pixels)
     # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
     pipe.set_progress_bar_config(disable=rank() != 0)
     pipeline = TPPipeline(adapter, pipe, encoder, mesh, adapter.buckets if buckets is None else tuple(buckets), times,
-                          follower_vae=follower_vae)
+                          follower_vae=follower_vae, parallel_vae=handle)
     if loras:
         with times.phase("fuse LoRAs"):
             pipeline.set_loras(loras)

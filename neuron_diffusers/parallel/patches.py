@@ -28,6 +28,9 @@ slice-streaming loader) that we build on rather than copy. These gaps are closed
 9. Step caches (`parallel/cache.py`): the block metadata FirstBlockCache and MagCache look up, which block lists
    they hook, the hooks' names, and the two decision points (FirstBlockCache's data-dependent one, TaylorSeer's
    counter) that `cache.py` wraps per hook instance so a group of ranks takes every decision together.
+10. Parallel VAE (`parallel/vae_rows.py`) recognises the VAEs' building blocks by class: diffusers does not export
+    them, so they are looked up here (`vae_blocks`), and listed in `PRIVATE_NAMES` so that a release that renames
+    or moves one fails a test rather than an image (an unknown block is refused when parallel VAE is installed).
 
 Each name touched here is private and may move in another release: importing this module refuses any
 diffusers outside the pinned series before it imports a single private module (`diffusers~=0.42.1` in
@@ -69,7 +72,8 @@ from diffusers.hooks import (  # noqa: E402
     tensor_parallel,
     tensor_parallel_neuron,
 )
-from diffusers.models import modeling_outputs  # noqa: E402
+from diffusers.models import attention_processor, downsampling, modeling_outputs  # noqa: E402
+from diffusers.models.autoencoders import autoencoder_kl_qwenimage, autoencoder_kl_qwenimage21  # noqa: E402
 from diffusers.models.autoencoders import vae as vae_module  # noqa: E402
 from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module  # noqa: E402
@@ -82,6 +86,22 @@ from . import coalesce, rules  # noqa: E402
 
 _OUR_STYLES = (GatheredColwiseParallel, PartialRowwiseParallel)
 
+#: diffusers' VAE building blocks (not exported) that parallel VAE handles, by what they do along the rows
+#: (see `parallel/vae_rows.py`): self-attention over a whole frame ("gathered"), convolutions that pad their rows
+#: themselves in `forward` ("self_padding_convs": (k - 1) / 2 rows, checked at run time), `Downsample2D`, whose
+#: `padding=0` means one zero row below in `forward` then `conv` ("bottom_padded_downsample": reads `use_conv`,
+#: `padding`, `conv`), and blocks whose output row depends only on its own input rows ("row_local").
+VAE_BLOCKS = {
+    "gathered": ((attention_processor, "Attention"), (autoencoder_kl_qwenimage, "QwenImageAttentionBlock"),
+                 (autoencoder_kl_qwenimage21, "QwenImage21AttentionBlock")),
+    "self_padding_convs": ((autoencoder_kl_qwenimage, "QwenImageCausalConv3d"),
+                           (autoencoder_kl_qwenimage21, "QwenImage21CausalConv3d")),
+    "bottom_padded_downsample": ((downsampling, "Downsample2D"),),
+    "row_local": ((autoencoder_kl_qwenimage, "QwenImageRMS_norm"), (autoencoder_kl_qwenimage21, "QwenImage21RMS_norm"),
+                  (autoencoder_kl_qwenimage, "QwenImageUpsample"), (autoencoder_kl_qwenimage21, "QwenImage21Upsample"),
+                  (autoencoder_kl_qwenimage21, "QwenImage21AvgDown3D"),
+                  (autoencoder_kl_qwenimage21, "QwenImage21DupUp3D")),
+}
 #: Every private diffusers name this module reads or replaces (tests/test_patches.py checks they all exist).
 PRIVATE_NAMES = (
     (tensor_parallel, "_SUPPORTED_TP_DEVICES"),
@@ -110,6 +130,7 @@ PRIVATE_NAMES = (
     (taylorseer_cache.TaylorSeerCacheHook, "_measure_should_compute"),
     (mag_cache, "_MAG_CACHE_LEADER_BLOCK_HOOK"),
     (mag_cache, "_MAG_CACHE_BLOCK_HOOK"),
+    *(entry for entries in VAE_BLOCKS.values() for entry in entries),
 )
 
 
@@ -126,6 +147,11 @@ PRIVATE_INSTANCE_ATTRIBUTES = (
     (mag_cache.MagCacheState, "should_compute"),
     (_module_with_hook_registry, "_diffusers_hook"),  # where a module's HookRegistry lives
 )
+
+
+def vae_blocks(role: str) -> tuple[type, ...]:
+    """The diffusers classes of one role of `VAE_BLOCKS`; a class this release lacks is left out (and refused)."""
+    return tuple(getattr(module, name) for module, name in VAE_BLOCKS[role] if hasattr(module, name))
 
 
 def _default_tp_device_type() -> str:
