@@ -19,8 +19,6 @@ and call `decode` / `encode` with the same input.
 
 from __future__ import annotations
 
-import weakref
-
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
 from torch import nn
@@ -37,8 +35,9 @@ STRATEGIES = {
     "AutoencoderKLQwenImage21": "rows",
     "AutoencoderKLMiniMaxH3": "turns",
 }
-
-_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # VAE -> its ParallelVAE handle
+#: The instance attribute that holds a VAE's handle: on the VAE itself, so a VAE dropped by its pipeline is freed
+#: (a module-level table of handles would keep every VAE alive, since each handle refers to its VAE).
+HANDLE_ATTRIBUTE = "_neuron_diffusers_parallel_vae"
 
 
 def check_supported(vae_class_name: str) -> None:
@@ -79,7 +78,7 @@ class ParallelVAE:
         return height is None or width is None or height * width >= self.min_pixels
 
     def remove(self) -> None:
-        _INSTALLED.pop(self.vae, None)
+        self.vae.__dict__.pop(HANDLE_ATTRIBUTE, None)
         for module in self._hooked:
             HookRegistry.check_if_exists_or_initialize(module).remove_hook(HOOK_NAME, recurse=False)
         for name in self._wrapped:
@@ -104,7 +103,7 @@ def enable_parallel_vae(vae: nn.Module, group=None, min_pixels: int = 0) -> Para
     check_supported(type(vae).__name__)
     if not dist.is_initialized():
         raise RuntimeError("parallel_vae needs the process group to be up (neuron_diffusers.init_distributed).")
-    if vae in _INSTALLED:
+    if parallel_vae_of(vae) is not None:
         raise ValueError("This VAE already has parallel_vae installed; remove() its handle first.")
     group = dist.group.WORLD if group is None else group
     handle = ParallelVAE(vae, group, min_pixels)
@@ -136,7 +135,7 @@ def enable_parallel_vae(vae: nn.Module, group=None, min_pixels: int = 0) -> Para
     except BaseException:
         handle.remove()
         raise
-    _INSTALLED[vae] = handle
+    vae.__dict__[HANDLE_ATTRIBUTE] = handle
     return handle
 
 
@@ -144,7 +143,7 @@ def parallel_vae_of(vae: nn.Module | None) -> ParallelVAE | None:
     """The handle installed on `vae`, or None. While it is `enabled`, every rank of its group must call
     `vae.encode` / `vae.decode` itself, with the same input: encode gives every rank the whole posterior (equal on
     every rank by construction), decode gives the group's rank 0 the image."""
-    return None if vae is None else _INSTALLED.get(vae)
+    return None if vae is None else vae.__dict__.get(HANDLE_ATTRIBUTE)
 
 
 #: `parallel_vae=None` (the default): the image size, in pixels (height x width), from which each strategy splits a
