@@ -14,8 +14,9 @@ classifier-free guidance runs each image on both groups, one guidance branch eac
 without it gives each group its own images, so the second group is extra data parallelism instead of idle.
 
 Image inputs (`generate(image=..., mask_image=..., strength=...)`, any stock class on the family's transformer
-via `load_pipeline(..., pipeline_class=...)`) go through the stock call too; the one rank that holds a VAE (and,
-where the text encoder reads the image, the encoder) shares its results inside it (`pipelines/image_inputs.py`).
+via `load_pipeline(..., pipeline_class=...)`) go through the stock call too; the one rank that holds a VAE (with
+parallel VAE: the TP group, encoding together; and where the text encoder reads the image, the leader's encoder)
+shares its results inside it (`pipelines/image_inputs.py`).
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ class TPPipeline:
     def _denoise(self, embeds: dict, seed: int, joint: bool, check_latents_every: int | None, pipeline_kwargs: dict,
                  image_kwargs: dict, in_call: bool):
         """One stock pipeline call; with `joint`, the transformer computes only this rank's guidance branch; with
-        `image_kwargs`, one rank's VAE encodes for all (and with `in_call` its text encoder reads the image)."""
+        `image_kwargs`, one rank's VAE encodes for all, or with parallel VAE the TP group together (and with `in_call`
+        the leader's text encoder reads the image)."""
         branch = cfg_rank(self.mesh) if joint else 0
         cfg_group = self.mesh["cfg"].get_group() if joint else None
         generator = torch.Generator("cpu").manual_seed(seed)
@@ -193,7 +195,7 @@ class TPPipeline:
             images = shared_image_inputs(self.pipe, vae=self.follower_vae() if self.follower_vae else self.pipe.vae,
                                          encoder=self.encoder, tp_group=tp_mesh.get_group(), pair_group=cfg_group,
                                          device=mesh_device(tp_mesh), decodes=self.is_leader or splits_vae,
-                                         text_encode=in_call)
+                                         text_encode=in_call, vae_splits=splits_vae)
         cache = self.cache
         with torch.no_grad(), self.times.phase("denoise + decode"), proxy, images, \
                 cache.pipeline_call() if cache is not None else nullcontext():
