@@ -39,6 +39,8 @@ COMMANDS = {
     "bench serve": ("tools.bench.serve", "throughput and latency percentiles of `serve` vs the batch job, same mesh"),
     "bench cp": ("tools.bench.context", "one image: step time of TP vs Ulysses vs ring vs one process on the same "
                                         "ranks; collectives by kind"),
+    "bench vae": ("tools.bench.vae", "per-rank peak memory and seconds of a VAE decode, one rank vs N (parallel "
+                                     "VAE)"),
 }
 #: Help for the command groups of two-word commands.
 GROUPS = {"plan": "inspect tensor-parallel plans", "bench": "benchmarks"}

@@ -80,6 +80,7 @@ from .outputs import (
 from .parallel import context
 from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import check_loras, parse_lora_option
+from .parallel.vae import resolve_parallel_vae
 from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs
 from .runner import check_context_parallel_call, load_pipeline
@@ -179,6 +180,9 @@ class JobPlan:
     @property
     def dp(self) -> int:
         return self.world_size // (self.group * self.cfg)
+    #: `--parallel-vae` (True), `--no-parallel-vae` or no request the default would split (False), else None (the
+    #: default per VAE class and image size, `load_pipeline`'s).
+    parallel_vae: bool | None = None
 
 
 def read_prompt_file(path: Path) -> list[dict]:
@@ -463,6 +467,15 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         heads = checkpoint.config("transformer").get("num_attention_heads")
         context.check_layout(checkpoint.family.display_name, heads, world_size, tp=tp, ulysses=args.ulysses,
                              ring=args.ring, cfg=pairs, ulysses_anything=mode.ulysses_anything)
+    parallel_vae = args.parallel_vae
+    if cp > 1:  # the parallel VAE splits over the TP group only (see load_pipeline)
+        if parallel_vae:
+            raise ValueError("--parallel-vae does not run under context parallelism yet (the VAE splits over the TP "
+                             "group only): drop it, or drop --ulysses/--ring.")
+        parallel_vae = False
+    min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"), tp)
+    if parallel_vae is None and min_pixels is not None and all(r.height * r.width < min_pixels for r in requests):
+        parallel_vae = False  # the default would split none of these: the other ranks need not hold the VAE
     check_loras(checkpoint, loras)  # last, the slowest: each file read and checked against the transformer's config
     dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
     lora_records = [spec.record() for spec in loras]
@@ -483,7 +496,7 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
                    settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=pairs,
                    true_cfg=true_cfg, notes=notes, keys=keys, done=done, job_digest=job_digest, loras=lora_records,
                    cache=cache, ulysses=args.ulysses, ring=args.ring, cp_any_length=args.cp_any_length,
-                   mesh_order=args.mesh_order)
+                   mesh_order=args.mesh_order, parallel_vae=parallel_vae)
 
 
 def _no_pairs_note(adapter, world_size: int, tp: int, cp: int = 1) -> str:
@@ -607,7 +620,7 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
     """Load, compile, and generate this TP group's `work`; returns the saved images' records and the phases."""
     pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype),
                          loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache,
-                         cp_any_length=plan.cp_any_length)
+                         cp_any_length=plan.cp_any_length, parallel_vae=plan.parallel_vae)
     compile_start = time.perf_counter()
     if compile_backend:
         compile_repeated_blocks(pipe, backend=compile_backend)
@@ -705,6 +718,7 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
         "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size},
         "dtype": plan.dtype,
         "loras": plan.loras,
+        "parallel_vae": plan.parallel_vae,
         "neuron_diffusers": __version__,
         "requests": len(plan.requests),
         "generated": len(new),
@@ -782,6 +796,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--true-cfg-scale", type=finite_float, default=None,
                         help="FLUX.1's true CFG scale (with --negative-prompt); Qwen-Image / 2.1 take it from "
                              "--guidance")
+    parser.add_argument("--parallel-vae", action=argparse.BooleanOptionalAction, default=None,
+                        help="every rank of a TP group decodes (and encodes) one piece of each image, so none idles "
+                             "and the decode's memory is split; --no-parallel-vae: the TP leader decodes alone "
+                             "(default: MiniMax-H3 always, the others from 1024 x 1024 pixels, with tp > 1)")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     parser.add_argument("--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS,

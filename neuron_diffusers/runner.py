@@ -5,7 +5,8 @@ parallelism): resolve the checkpoint → read its config (all checks happen here
 stream each rank's transformer slice → the leader (group rank 0) loads the text encoder on CPU, encodes each prompt
 once and broadcasts the embeddings to the group → every rank denoises the same CPU-seeded noise with the stock
 pipeline, checking that the group's latents agree (under context parallelism every rank holds the whole latents:
-the transformer's output is gathered) → the leader decodes and returns the image.
+the transformer's output is gathered) → the leader decodes and returns the image (with parallel VAE,
+every rank of the TP group decodes one piece of it, `parallel/vae.py`; not under context parallelism).
 
 With `cache=` (a diffusers step-cache config) the transformer runs diffusers' cache hooks with every skip decision
 shared by its group (`parallel/cache.py`), and each image's forwards computed vs served from the cache are kept.
@@ -15,8 +16,9 @@ true classifier-free guidance runs each image on both groups, one guidance branc
 without it gives each group its own images, so the second group is extra data parallelism instead of idle.
 
 Image inputs (`generate(image=..., mask_image=..., strength=...)`, any stock class on the family's transformer
-via `load_pipeline(..., pipeline_class=...)`) go through the stock call too; the one rank that holds a VAE (and,
-where the text encoder reads the image, the encoder) shares its results inside it (`pipelines/image_inputs.py`).
+via `load_pipeline(..., pipeline_class=...)`) go through the stock call too; the one rank that holds a VAE (with
+parallel VAE: the TP group, encoding together; and where the text encoder reads the image, the leader's encoder)
+shares its results inside it (`pipelines/image_inputs.py`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .parallel import context
 from .parallel.cache import GroupCache, check_cache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
 from .parallel.lora import FusedLoras, check_loras
+from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
 from .pipelines.base import SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs, reads_image, shared_image_inputs, vae_without_coders
@@ -81,8 +84,9 @@ class TPPipeline:
     when the mesh has "ring" / "ulysses" dimensions).
 
     `encoder` (the text components, on CPU) exists only on the image group's leader; `pipe` (transformer, scheduler,
-    and the VAE on the leader) on every rank. On a mesh with a `cfg` dimension every image group of a CFG pair has
-    its own leader with its own encoder and VAE, so either group can also serve requests alone.
+    and the VAE on the leader, or with parallel VAE on every rank) on every rank. On a mesh with a `cfg` dimension
+    every image group of a CFG pair has its own leader with its own encoder and VAE, so either group can also serve
+    requests alone.
     """
 
     adapter: PipelineAdapter
@@ -107,6 +111,8 @@ class TPPipeline:
     #: The checkpoint it was loaded from, and how context parallelism runs it (None without).
     checkpoint: Checkpoint | None = None
     cp_mode: context.RunnerMode | None = None
+    #: The VAE split over the TP group (`load_pipeline(parallel_vae=...)`), or None: the leader decodes alone.
+    parallel_vae: ParallelVAE | None = None
 
     def __post_init__(self):
         self.times.time_module(self.adapter.transformer_of(self.pipe), "transformer forward")
@@ -240,26 +246,30 @@ class TPPipeline:
     def _denoise(self, embeds: dict, seed: int, joint: bool, check_latents_every: int | None, pipeline_kwargs: dict,
                  image_kwargs: dict, in_call: bool):
         """One stock pipeline call; with `joint`, the transformer computes only this rank's guidance branch; with
-        `image_kwargs`, one rank's VAE encodes for all (and with `in_call` its text encoder reads the image)."""
+        `image_kwargs`, one rank's VAE encodes for all, or with parallel VAE the TP group together (and with `in_call`
+        the leader's text encoder reads the image)."""
         branch = cfg_rank(self.mesh) if joint else 0
         cfg_group = self.mesh["cfg"].get_group() if joint else None
         generator = torch.Generator("cpu").manual_seed(seed)
         check = LatentAgreement(image_group(self.mesh), every=check_latents_every, cfg_group=cfg_group,
                                 group_name="image group (TP x context parallel)" if self.cp_mode else None)
         proxy = cfg_parallel_transformer(self.pipe, cfg_group) if joint else nullcontext()
+        splits_vae = self._splits_vae(pipeline_kwargs)
         images = nullcontext()
         if image_kwargs:
-            # The image group's leader (its VAE, its encoder) shares with every rank of the group, CP ranks included.
-            images = shared_image_inputs(self.pipe, vae=self.pipe.vae if self.is_leader else self.follower_vae(),
+            # The image group's leader (its VAE, its encoder) shares with every rank of the group, CP ranks included;
+            # with parallel VAE (never under CP: then the image group is the TP group) the group encodes together.
+            images = shared_image_inputs(self.pipe, vae=self.follower_vae() if self.follower_vae else self.pipe.vae,
                                          encoder=self.encoder, tp_group=image_group(self.mesh), pair_group=cfg_group,
-                                         device=mesh_device(self.mesh), decodes=self.is_leader, text_encode=in_call)
+                                         device=mesh_device(self.mesh), decodes=self.is_leader or splits_vae,
+                                         text_encode=in_call, vae_splits=splits_vae)
         cache = self.cache
         with torch.no_grad(), self.times.phase("denoise + decode"), proxy, images, \
                 cache.pipeline_call() if cache is not None else nullcontext():
             # CFG rank 1 gets prompt and negative swapped: its pipeline derives the uncond inputs for the cond call.
             output = self.adapter(self.pipe, swap_branches(embeds) if branch else embeds, generator=generator,
                                   decodes=self.is_leader and branch == 0, check=check, buckets=self.buckets,
-                                  **pipeline_kwargs)
+                                  helps_decode=splits_vae and branch == 0, **pipeline_kwargs)
         if cache is not None:
             counts = [cache.counts.as_dict()]
             if joint:  # each rank of the pair computed one branch of this image: count both
@@ -272,6 +282,15 @@ class TPPipeline:
         """Under the plain context-parallel modes, refuse a call whose sequences do not split evenly, before a step."""
         if self.cp_mode is not None and not self.cp_mode.any_length:
             check_context_parallel_call(self.adapter, self.checkpoint, pipeline_kwargs, context_degree(self.mesh))
+
+    def _splits_vae(self, pipeline_kwargs: dict) -> bool:
+        """Whether this call's decode (and encode) is split over the TP group, telling the VAE: with parallel VAE on
+        and an image large enough (`ParallelVAE.splits`); otherwise the leader decodes alone."""
+        if self.parallel_vae is None:
+            return False
+        self.parallel_vae.enabled = self.parallel_vae.splits(pipeline_kwargs.get("height"),
+                                                             pipeline_kwargs.get("width"))
+        return self.parallel_vae.enabled
 
     def _collect_pair(self, outputs: dict, count: int, joint: bool) -> list | None:
         """Every image of the call, in order, on the pair's leader (the other group's leader sends its share)."""
@@ -382,6 +401,7 @@ def load_pipeline(
     loras=(),
     cache=None,
     cp_any_length: bool = False,
+    parallel_vae: bool | None = None,
 ) -> TPPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
@@ -399,6 +419,13 @@ def load_pipeline(
     compiled static shapes). Qwen-Image-2.1 runs that way unless its buckets are opted in (`buckets=`: see its
     adapter and `parallel/context_qwenimage21.py`).
 
+    `parallel_vae=True` loads the VAE on every rank of the TP group and splits each decode (and each encode of an
+    input image) over the group, with the stock result within float32 rounding (`parallel/vae.py`); `False` decodes
+    and encodes on the leader alone; `None` (default) loads it on every rank where the VAE class can be split and
+    splits the calls where that pays (`parallel.vae.DEFAULT_MIN_PIXELS`: MiniMax-H3 always, the others from 1024 x
+    1024). `True` with a VAE it cannot split, or under context parallelism (not built yet), is refused before any
+    weight is read.
+
     `pipeline_class` (a stock class or its name) runs the folder with another class on the same transformer, e.g.
     FluxKontextPipeline, FluxImg2ImgPipeline or FluxInpaintPipeline on a FLUX.1 folder; default: the class the
     folder's index names. A class built on another transformer, or needing a component the folder lacks, is refused
@@ -407,6 +434,12 @@ def load_pipeline(
     `cache` is a diffusers step-cache config (`FirstBlockCacheConfig`, `TaylorSeerCacheConfig`, `MagCacheConfig`),
     installed with decisions shared by the image group (`parallel/cache.py`); it is tried on the meta-device transformer
     before any weight is read.
+
+    `parallel_vae=True` loads the VAE on every rank of the TP group and splits each decode (and each encode of an
+    input image) over the group, with the stock result within float32 rounding (`parallel/vae.py`); `False` decodes
+    and encodes on the leader alone; `None` (default) loads it on every rank where the VAE class can be split and
+    splits the calls where that pays (`parallel.vae.DEFAULT_MIN_PIXELS`: MiniMax-H3 always, the others from 1024 x
+    1024). `True` with a VAE it cannot split is refused before any weight is read.
     """
     checkpoint = resolve(model, pipeline_class)
     if cache is not None:
@@ -429,6 +462,12 @@ def load_pipeline(
     # A degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is read
     # (see `parallel/patches.py`).
     parallel = _parallel_config(mesh, mode)
+    vae_min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"), dim_size(mesh, "tp"))
+    if degree > 1:  # the parallel VAE splits over the TP group only; under CP the image leader decodes alone
+        if parallel_vae:
+            raise ValueError("parallel_vae=True does not run under context parallelism yet (the VAE splits over the "
+                             "TP group only): pass parallel_vae=False or None, or drop ulysses/ring.")
+        vae_min_pixels = None
     times = PhaseTimes()
     with times.phase("load transformer (sharded)"):
         transformer = checkpoint.transformer_class().from_pretrained(
@@ -443,11 +482,15 @@ def load_pipeline(
         enable_group_cache(transformer, cache, group if dist.get_world_size(group) > 1 else None)
     with times.phase("load other components"):
         encoder = adapter.load_encoder(checkpoint, torch_dtype) if leader else None
-        pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader)
+        pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader,
+                                     helps_decode=vae_min_pixels is not None)
         follower_vae = None
-        if not leader and "image" in adapter.call_parameters():
+        if not leader and vae_min_pixels is None and "image" in adapter.call_parameters():
             dtype = torch_dtype or torch.float32
             follower_vae = functools.cache(functools.partial(vae_without_coders, checkpoint, dtype))
+    handle = None
+    if vae_min_pixels is not None:
+        handle = enable_parallel_vae(adapter.vae(pipe), mesh["tp"].get_group(), min_pixels=vae_min_pixels)
     if mode is not None and mode.pad and not mode.any_length:
         adapter.configure_context_parallel(pipe, degree)
     # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
@@ -458,7 +501,7 @@ def load_pipeline(
     CallEntry(replica_ranks(mesh, with_cfg=False), "load_pipeline", timeout_s=None).enter(
         [checkpoint.source, str(torch_dtype)])
     pipeline = TPPipeline(adapter, pipe, encoder, mesh, buckets, times, checkpoint=checkpoint, cp_mode=mode,
-                          follower_vae=follower_vae, size_limits=adapter.size_limits(checkpoint))
+                          follower_vae=follower_vae, size_limits=adapter.size_limits(checkpoint), parallel_vae=handle)
     if loras:
         with times.phase("fuse LoRAs"):
             pipeline.set_loras(loras)

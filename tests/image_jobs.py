@@ -38,11 +38,19 @@ CASES = {
     "edit_plus_cfg": {"model": "qwenimage_edit", "class": "QwenImageEditPlusPipeline", "images": [1], "cfg": 2,
                       "negative": NEGATIVE,
                       "call": {"height": 32, "width": 32, "num_inference_steps": 2, "true_cfg_scale": 4.0}},
+    # Parallel VAE (`load_pipeline(parallel_vae=True)`; the other cases pass False): every rank encodes a band of the
+    # input image and decodes a band of the output. FLUX.1's AutoencoderKL, and Qwen-Image's causal 3D VAE with two
+    # images and a vision-language encoder that reads them.
+    "kontext_pvae": {"model": "flux", "class": "FluxKontextPipeline", "images": [1], "parallel_vae": True,
+                     "call": {"height": 32, "width": 32, "num_inference_steps": 2, **KONTEXT_SMALL}},
+    "edit_plus_pvae": {"model": "qwenimage_edit", "class": "QwenImageEditPlusPipeline", "images": [1, 2],
+                       "parallel_vae": True, "call": {"height": 32, "width": 32, "num_inference_steps": 2}},
     # Rank 1 is given another image: both ranks must refuse.
     "diverged": {"model": "flux", "class": "FluxKontextPipeline", "images": [1], "other_image_on": [1],
                  "call": {"height": 32, "width": 32, "num_inference_steps": 2, **KONTEXT_SMALL}},
 }
-COMPARED = ("kontext", "img2img", "inpaint", "edit_plus", "flux2", "qwenimage21", "edit_plus_cfg")
+COMPARED = ("kontext", "img2img", "inpaint", "edit_plus", "flux2", "qwenimage21", "edit_plus_cfg", "kontext_pvae",
+            "edit_plus_pvae")
 
 
 def input_image(seed: int, size=(32, 32)) -> Image.Image:
@@ -80,6 +88,18 @@ def shrink_edit_vae_area() -> None:
 
 
 @contextmanager
+def counted_calls(module):
+    """How often `module` runs (a list that grows by one per call); nothing counted where `module` is None."""
+    calls = []
+    handle = None if module is None else module.register_forward_pre_hook(lambda *_: calls.append(1))  # test probe
+    try:
+        yield calls
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+@contextmanager
 def first_call_inputs(transformer):
     """What the transformer gets at its first call: `hidden_states` (noise and image latents) and
     `encoder_hidden_states` (the prompt embeddings, which the vision-language encoders compute from the images)."""
@@ -109,9 +129,11 @@ def image_tp_checks(checkpoints: dict, cases: dict) -> dict:
     report = {}
     for name, case in cases.items():
         mesh = nd.init_distributed(cfg=case.get("cfg", 1))
-        pipe = nd.load_pipeline(checkpoints[case["model"]], mesh, pipeline_class=case["class"])
+        pipe = nd.load_pipeline(checkpoints[case["model"]], mesh, pipeline_class=case["class"],
+                                parallel_vae=case.get("parallel_vae", False))
         kwargs = case_inputs(case, first_image=99 if dist.get_rank() in case.get("other_image_on", ()) else None)
-        entry = {"holds_vae": getattr(pipe.pipe, "vae", None) is not None, "holds_encoder": pipe.encoder is not None}
+        vae = getattr(pipe.pipe, "vae", None)
+        entry = {"holds_vae": vae is not None, "holds_encoder": pipe.encoder is not None}
         call = {"seed": 0, "negative_prompt": case.get("negative"), "output_type": "np", **kwargs, **case["call"]}
         if "other_image_on" in case:  # the entry handshake refuses another image on every rank before anything runs
             try:
@@ -121,9 +143,11 @@ def image_tp_checks(checkpoints: dict, cases: dict) -> dict:
         try:
             # Past the handshake (skipped for the case of another image), the shared VAE encoding still catches it.
             skipped = _past_the_entry_check() if "other_image_on" in case else nullcontext()
-            with first_call_inputs(pipe.adapter.transformer_of(pipe.pipe)) as seen, skipped:
+            with first_call_inputs(pipe.adapter.transformer_of(pipe.pipe)) as seen, skipped, \
+                    counted_calls(None if vae is None else vae.encoder) as encodes:
                 images = pipe.generate([PROMPT], **call)
             entry["inputs"] = [t.numpy() for t in seen] if dist.get_rank() == 0 else None
+            entry["vae_encoder_calls"] = len(encodes)
             entry["output"] = None if images is None else np.asarray(images[0], dtype=np.float32)
         except Exception as error:  # reported, so the test can assert every rank raised the same
             entry["error"] = f"{type(error).__name__}: {error}"
@@ -142,4 +166,16 @@ def image_tp_checks(checkpoints: dict, cases: dict) -> dict:
         report["leader_failure"] = "no error"
     except Exception as error:
         report["leader_failure"] = f"{type(error).__name__}: {error}"
+
+    # A CFG pair of one-rank TP groups whose TP group computes itself (parallel VAE): CFG rank 0 computes, its
+    # partner receives over the pair and never computes.
+    own_tp = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    computed = []
+
+    def compute():
+        computed.append(dist.get_rank())
+        return torch.full((2, 3), float(dist.get_rank() + 1)), None
+
+    shared, nothing = Group(own_tp, dist.group.WORLD, torch.device("cpu"), tp_computes=True).share(compute)
+    report["pair_share"] = {"computed": computed, "shared": shared.tolist(), "none": nothing is None}
     return report

@@ -164,6 +164,18 @@ def _no_safetensors(tmp_path, tiny_checkpoint):
     return str(copy)
 
 
+def _unsplittable_vae(tmp_path, tiny_checkpoint):
+    """A tiny FLUX.1 whose index names a VAE class parallel VAE cannot split (refused before any weight is read)."""
+    import shutil
+
+    copy = tmp_path / "other-vae-checkpoint"
+    shutil.copytree(tiny_checkpoint("flux"), copy)
+    index = json.loads((copy / "model_index.json").read_text())
+    index["vae"] = ["diffusers", "AutoencoderKLWan"]
+    (copy / "model_index.json").write_text(json.dumps(index))
+    return str(copy)
+
+
 BAD_INPUT = {
     "unknown model": (lambda t, c: ["--prompt", "a fox", "--model", "no-such-model"],
                       "is neither a local checkpoint folder, a Hub id (owner/name) nor a tiny family"),
@@ -189,6 +201,9 @@ BAD_INPUT = {
                         "Unknown torch.compile backend 'no-such'"),
     "guidance for a distilled model": (lambda t, c: ["--prompt", "a fox", "--model", "h3", "--guidance", "3"],
                                        "guidance-distilled: drop --guidance"),
+    "parallel VAE it cannot split": (lambda t, c: ["--prompt", "a fox", "--model", _unsplittable_vae(t, c),
+                                                   "--parallel-vae"],
+                                     "parallel_vae does not support AutoencoderKLWan"),
 }
 
 

@@ -3,7 +3,8 @@
 One spawn (2 CPU ranks) runs every case through `load_pipeline(..., pipeline_class=...)` and `generate(image=...)`:
 FLUX.1 Kontext, img2img and inpainting from the tiny FLUX.1 folder, Qwen-Image-Edit-Plus with two input images,
 FLUX.2 with two reference images and Qwen-Image-2.1 with an input image at TP=2, and Qwen-Image-Edit-Plus with true
-CFG over a CFG pair (cfg=2). The stock references run in this process.
+CFG over a CFG pair (cfg=2), all with `parallel_vae=False` (one rank encodes); then Kontext and Qwen-Image-Edit-Plus
+with `parallel_vae=True` (every rank encodes and decodes a band). The stock references run in this process.
 
 Besides the issue's pixel criterion (mean abs difference < 1/255), the transformer's first-call inputs are held to
 1e-5 (float32 rounding: the ranks run one thread, this process more, so convolutions sum in another order): on
@@ -34,8 +35,18 @@ def reports(checkpoints):
     return run_on_cpu_ranks(image_tp_checks, 2, checkpoints, CASES, timeout_s=900)
 
 
+_STOCK = {}  # (case without `parallel_vae`, first image) -> stock(): a parallel-VAE case has its twin's reference
+
+
 def stock(checkpoints, case, first_image=None):
     """The stock class alone in this process: its image and the transformer's first-call inputs."""
+    key = (repr({k: v for k, v in case.items() if k != "parallel_vae"}), first_image)
+    if key not in _STOCK:
+        _STOCK[key] = _stock(checkpoints, case, first_image)
+    return _STOCK[key]
+
+
+def _stock(checkpoints, case, first_image=None):
     import diffusers
     from image_jobs import shrink_edit_vae_area
 
@@ -76,7 +87,11 @@ def test_followers_hold_no_vae_weights_nor_encoder_and_the_pipeline_is_restored(
         assert leader["holds_vae"] and leader["holds_encoder"], name
         assert leader["vae_after_call"].startswith("AutoencoderKL"), name
         assert leader["encode_prompt_restored"] and other["encode_prompt_restored"], name
-        if not CASES[name].get("cfg"):
+        if CASES[name].get("parallel_vae"):  # every rank holds the VAE and encodes its band of every input image
+            assert other["holds_vae"] and not other["holds_encoder"], name
+            assert other["vae_encoder_calls"] == leader["vae_encoder_calls"] > 0, name
+        elif not CASES[name].get("cfg"):
+            assert leader["vae_encoder_calls"] > 0 and other["vae_encoder_calls"] == 0, name
             assert not other["holds_vae"] and not other["holds_encoder"] and other["vae_after_call"] is None, name
             real = other["follower_vae_real"]
             assert not [n for n in real if n.startswith(("encoder.", "decoder."))], (name, real)
@@ -96,6 +111,13 @@ def test_a_failure_on_the_encoding_rank_reaches_every_rank(reports):
     leader, other = reports[0]["leader_failure"], reports[1]["leader_failure"]
     assert leader == "MemoryError: out of memory in the VAE"
     assert other.startswith("LeaderFailedError") and "out of memory in the VAE" in other
+
+
+def test_a_tp_group_that_computes_itself_shares_over_the_cfg_pair_only(reports):
+    """Parallel VAE on a CFG pair: CFG rank 0's TP group encodes (here one rank), its partner only receives."""
+    for report in reports:
+        assert report["pair_share"] == {"computed": [0] if report is reports[0] else [],
+                                        "shared": [[1.0] * 3] * 2, "none": True}
 
 
 def test_the_cfg_case_uses_true_cfg():

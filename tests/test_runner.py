@@ -16,19 +16,19 @@ FAMILIES = tiny.FAMILIES
 PROMPT = "a red fox in the snow"
 
 
-def stock_output(checkpoint, family):
-    """What the stock pipeline, alone in one process, makes of the same prompt, seed, size and steps."""
+def stock_output(checkpoint, family, call=None):
+    """What the stock pipeline, alone in one process, makes of the same prompt, seed, size and steps (`call`,
+    default: the family's smallest call)."""
     from diffusers import DiffusionPipeline
 
+    call = tiny.smallest_call(family) if call is None else call
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         if family == "h3":
             pipe = resolve(checkpoint).adapter.load_stock(resolve(checkpoint))
-            out = pipe(prompt=PROMPT, generator=generator, output_type="pt", output=["videos", "audio"],
-                       **tiny.smallest_call(family))
+            out = pipe(prompt=PROMPT, generator=generator, output_type="pt", output=["videos", "audio"], **call)
             return {"frames": out["videos"][0].numpy(), "audio": out["audio"][0].numpy()}
-        image = DiffusionPipeline.from_pretrained(checkpoint)(prompt=PROMPT, generator=generator,
-                                                              **tiny.smallest_call(family)).images[0]
+        image = DiffusionPipeline.from_pretrained(checkpoint)(prompt=PROMPT, generator=generator, **call).images[0]
     return {"image": np.asarray(image, dtype=np.float32) / 255.0}
 
 
@@ -55,12 +55,14 @@ def test_tp2_generate_matches_stock_single_process(runner_report, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_only_the_leader_loads_text_encoder_and_vae(runner_report, family):
+def test_only_the_leader_loads_the_text_encoder(runner_report, family):
     _, (leader, other) = runner_report
     assert leader[family]["holds_encoder"] and not other[family]["holds_encoder"]
-    assert other[family]["models_in_memory"] == [], "a non-leader rank loaded a text encoder or VAE"
-    assert any("Autoencoder" in name for name in leader[family]["models_in_memory"])
     assert any("Autoencoder" not in name for name in leader[family]["models_in_memory"])
+    # Parallel VAE is on by default at TP > 1 (tests/test_parallel_vae.py): every rank holds the image (video) VAE,
+    # and only the leader the small audio VAE of MiniMax-H3.
+    vaes = [name for name in leader[family]["models_in_memory"] if "Autoencoder" in name and "Audio" not in name]
+    assert vaes and other[family]["models_in_memory"] == vaes
 
 
 @pytest.mark.parametrize("family", FAMILIES)

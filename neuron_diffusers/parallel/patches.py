@@ -28,27 +28,30 @@ slice-streaming loader) that we build on rather than copy. These gaps are closed
 9. Step caches (`parallel/cache.py`): the block metadata FirstBlockCache and MagCache look up, which block lists
    they hook, the hooks' names, and the two decision points (FirstBlockCache's data-dependent one, TaylorSeer's
    counter) that `cache.py` wraps per hook instance so a group of ranks takes every decision together.
+10. Parallel VAE (`parallel/vae_rows.py`) recognises the VAEs' building blocks by class: diffusers does not export
+    them, so they are looked up here (`vae_blocks`), and listed in `PRIVATE_NAMES` so that a release that renames
+    or moves one fails a test rather than an image (an unknown block is refused when parallel VAE is installed).
 
 Context parallelism (Ulysses, ring) next to TP in one `ParallelConfig` (see `context.py`). diffusers 0.42 has both
 halves but keeps them apart; diffusers PR #14725 and JingyaHuang/diffusers#2 (open) close the same gaps upstream:
 
-10. `ParallelConfig.__post_init__` refuses a config carrying both. We allow it.
-11. `_resolve_parallel_config` hands one mesh to both configs (TP would take the whole mesh as its degree) and
+11. `ParallelConfig.__post_init__` refuses a config carrying both. We allow it.
+12. `_resolve_parallel_config` hands one mesh to both configs (TP would take the whole mesh as its degree) and
    computes the device as `rank % accelerator.device_count()` for CP too. We set CP up on a mesh with "ring" and
    "ulysses" dims and TP on its "tp" dim, the device from the mesh, after the layout checks (`context`).
-12. `from_pretrained(parallel_config=...)` applies only the TP half when both are given: no error, right numbers,
+13. `from_pretrained(parallel_config=...)` applies only the TP half when both are given: no error, right numbers,
    every rank computing the whole sequence. We attach the CP half after it returns; the checks run before loading.
-13. `enable_parallelism` registers the CP hooks *before* TP; diffusers' hook registry captures a module's `forward`
+14. `enable_parallelism` registers the CP hooks *before* TP; diffusers' hook registry captures a module's `forward`
    at registration, so the coalesced block forwards TP installs afterwards (a class swap) would be bypassed. We run
    stock with an empty CP plan (it still checks the backend and hands the config to the processors), then attach
    the real plan after TP, all or nothing (the processors' configs, outside the module snapshot, restored too).
-14. Ring attention needs the log-sum-exp of each partial attention; the native backend refuses `return_lse`, so ring
+15. Ring attention needs the log-sum-exp of each partial attention; the native backend refuses `return_lse`, so ring
    cannot run on CPU. We compute it with ATen's CPU flash-attention kernel (inference only).
-15. The `*_anything` modes exchange per-rank lengths with `gather_size_by_comm`, which gathers on the CPU only when
+16. The `*_anything` modes exchange per-rank lengths with `gather_size_by_comm`, which gathers on the CPU only when
    the backend string names "cpu" ("cpu:gloo,cuda:nccl"); a plain gloo group is sent to the accelerator (none on a
    CPU host). We gather on the CPU for gloo. Their output gather (`_all_gather_anything`) all-gathers tensors of
    unequal lengths, which gloo refuses: for gloo we pad to the longest and trim.
-16. Qwen-Image-2.1 ships no `_cp_plan`: ours (`context_qwenimage21.py`) is set as the class default, like `_tp_plan`.
+17. Qwen-Image-2.1 ships no `_cp_plan`: ours (`context_qwenimage21.py`) is set as the class default, like `_tp_plan`.
 
 Each name touched here is private and may move in another release: importing this module refuses any
 diffusers outside the pinned series before it imports a single private module (`diffusers~=0.42.1` in
@@ -92,9 +95,16 @@ from diffusers.hooks import (  # noqa: E402
     tensor_parallel,
     tensor_parallel_neuron,
 )
-from diffusers.models import _modeling_parallel, attention_dispatch, modeling_outputs  # noqa: E402
+from diffusers.models import (  # noqa: E402
+    _modeling_parallel,
+    attention_dispatch,
+    attention_processor,
+    downsampling,
+    modeling_outputs,
+)
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput  # noqa: E402
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry  # noqa: E402
+from diffusers.models.autoencoders import autoencoder_kl_qwenimage, autoencoder_kl_qwenimage21  # noqa: E402
 from diffusers.models.autoencoders import vae as vae_module  # noqa: E402
 from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module  # noqa: E402
@@ -107,6 +117,22 @@ from . import coalesce, context, context_qwenimage21, rules  # noqa: E402
 
 _OUR_STYLES = (GatheredColwiseParallel, PartialRowwiseParallel)
 
+#: diffusers' VAE building blocks (not exported) that parallel VAE handles, by what they do along the rows
+#: (see `parallel/vae_rows.py`): self-attention over a whole frame ("gathered"), convolutions that pad their rows
+#: themselves in `forward` ("self_padding_convs": (k - 1) / 2 rows, checked at run time), `Downsample2D`, whose
+#: `padding=0` means one zero row below in `forward` then `conv` ("bottom_padded_downsample": reads `use_conv`,
+#: `padding`, `conv`), and blocks whose output row depends only on its own input rows ("row_local").
+VAE_BLOCKS = {
+    "gathered": ((attention_processor, "Attention"), (autoencoder_kl_qwenimage, "QwenImageAttentionBlock"),
+                 (autoencoder_kl_qwenimage21, "QwenImage21AttentionBlock")),
+    "self_padding_convs": ((autoencoder_kl_qwenimage, "QwenImageCausalConv3d"),
+                           (autoencoder_kl_qwenimage21, "QwenImage21CausalConv3d")),
+    "bottom_padded_downsample": ((downsampling, "Downsample2D"),),
+    "row_local": ((autoencoder_kl_qwenimage, "QwenImageRMS_norm"), (autoencoder_kl_qwenimage21, "QwenImage21RMS_norm"),
+                  (autoencoder_kl_qwenimage, "QwenImageUpsample"), (autoencoder_kl_qwenimage21, "QwenImage21Upsample"),
+                  (autoencoder_kl_qwenimage21, "QwenImage21AvgDown3D"),
+                  (autoencoder_kl_qwenimage21, "QwenImage21DupUp3D")),
+}
 #: Every private diffusers name this module reads or replaces (tests/test_patches.py checks they all exist).
 PRIVATE_NAMES = (
     (tensor_parallel, "_SUPPORTED_TP_DEVICES"),
@@ -152,6 +178,7 @@ PRIVATE_NAMES = (
     (taylorseer_cache.TaylorSeerCacheHook, "_measure_should_compute"),
     (mag_cache, "_MAG_CACHE_LEADER_BLOCK_HOOK"),
     (mag_cache, "_MAG_CACHE_BLOCK_HOOK"),
+    *(entry for entries in VAE_BLOCKS.values() for entry in entries),
 )
 
 
@@ -187,6 +214,11 @@ def internal(module: str, name: str):
         raise KeyError(f"{module}.{name} is not in patches.LAZY_PRIVATE_NAMES: list it there and in "
                        "docs/architecture.md before reading it.")
     return getattr(importlib.import_module(module), name)
+
+
+def vae_blocks(role: str) -> tuple[type, ...]:
+    """The diffusers classes of one role of `VAE_BLOCKS`; a class this release lacks is left out (and refused)."""
+    return tuple(getattr(module, name) for module, name in VAE_BLOCKS[role] if hasattr(module, name))
 
 
 def _default_tp_device_type() -> str:

@@ -6,8 +6,9 @@ Each rank builds the pipeline from only the components its role needs:
 
 - the *encoder* (one rank per TP group): the stock pipeline holding just the text components, on CPU;
 - the *denoiser* (every rank): the stock pipeline holding the sharded transformer and the scheduler, plus the
-  VAE on the rank that decodes. A rank that does not decode gets a VAE built on the meta device from its
-  config, so the pipeline derives its scale factors exactly as with the real one, and then drops it:
+  VAE on the rank that decodes and, with parallel VAE, on the ranks that help it (`helps_decode`: they run the
+  same stock decode on their piece and drop the output). A rank without a VAE gets one built on the meta device
+  from its config, so the pipeline derives its scale factors exactly as with the real one, and then drops it:
   no VAE weight is read and any code path that would decode there fails loudly instead.
 """
 
@@ -171,8 +172,10 @@ class PipelineAdapter:
         """The text components, on CPU, ready for `encode` (only the encoding rank calls this)."""
         raise NotImplementedError
 
-    def load_denoiser(self, checkpoint: Checkpoint, transformer, torch_dtype, device: torch.device, decodes: bool):
-        """What every rank runs around `transformer`; the decoder only where it `decodes`."""
+    def load_denoiser(self, checkpoint: Checkpoint, transformer, torch_dtype, device: torch.device, decodes: bool,
+                      helps_decode: bool = False):
+        """What every rank runs around `transformer`; the decoder only where it `decodes` (and keeps the output) or
+        `helps_decode` (parallel VAE: takes part in the leader's decode)."""
         raise NotImplementedError
 
     def load_stock(self, checkpoint: Checkpoint, **kwargs):
@@ -242,6 +245,10 @@ class PipelineAdapter:
         """The modules whose forwards are the decode (none where this rank does not decode)."""
         raise NotImplementedError
 
+    def vae(self, pipe) -> torch.nn.Module | None:
+        """The image (video) VAE this rank holds, the one parallel VAE splits; None where it holds none."""
+        raise NotImplementedError
+
     def uses_true_cfg(self, negative_prompt: str | None, call_kwargs: dict) -> bool:
         """Whether a call calls the transformer twice per step (cond, uncond): a negative prompt and a
         `true_cfg_scale` above 1 (guidance-distilled families never do)."""
@@ -298,14 +305,17 @@ class StockPipelineAdapter(PipelineAdapter):
         skipped = {name: None for name in checkpoint.component_names() if name not in needed}
         return self.pipeline_cls().from_pretrained(checkpoint.path, dtype=torch_dtype, **skipped)
 
-    def load_denoiser(self, checkpoint: Checkpoint, transformer, torch_dtype, device: torch.device, decodes: bool):
-        """The stock pipeline around `transformer` with no text components; the VAE only where it `decodes`."""
+    def load_denoiser(self, checkpoint: Checkpoint, transformer, torch_dtype, device: torch.device, decodes: bool,
+                      helps_decode: bool = False):
+        """The stock pipeline around `transformer` with no text components; the VAE only where it `decodes` or
+        `helps_decode`."""
         kwargs = {name: None for name in self.text_components}
-        if not decodes:
+        holds_vae = decodes or helps_decode
+        if not holds_vae:
             kwargs["vae"] = checkpoint.meta("vae")
         pipe = self.pipeline_cls().from_pretrained(checkpoint.path, transformer=transformer, dtype=torch_dtype,
                                                    **kwargs)
-        if decodes:
+        if holds_vae:
             pipe.vae.to(device)
         else:
             pipe.register_modules(vae=None)
@@ -382,6 +392,9 @@ class StockPipelineAdapter(PipelineAdapter):
             lengths["text tokens (max_sequence_length)"] = call_kwargs.get("max_sequence_length", default)
         return lengths
 
+    def vae(self, pipe) -> torch.nn.Module | None:
+        return getattr(pipe, "vae", None)
+
     def uses_true_cfg(self, negative_prompt: str | None, call_kwargs: dict) -> bool:
         """The stock rule (`do_true_cfg = true_cfg_scale > 1 and has_neg_prompt`), with the pipeline's own default
         scale when the call does not set one (Qwen-Image: 4.0; Qwen-Image-2.1 and FLUX.1: 1.0)."""
@@ -420,17 +433,20 @@ class StockPipelineAdapter(PipelineAdapter):
     # -- the call ------------------------------------------------------------------------------------------
 
     def __call__(self, pipe, embeds: dict[str, torch.Tensor], *, generator, decodes: bool, check, buckets=(),
-                 **kwargs):
+                 helps_decode: bool = False, **kwargs):
         """One stock pipeline call on the embeddings; the image where it `decodes`, else `None`.
 
         `check` (a `LatentAgreement`) compares the group's latents at the end of the steps it chooses. `buckets` is
-        unused: `pad` already padded the embeddings.
+        unused: `pad` already padded the embeddings. A rank that `helps_decode` runs the stock decode too (parallel
+        VAE: its piece goes to the leader), as a tensor, the cheapest output to drop.
         """
         output_type = kwargs.pop("output_type", "pil")
+        if not decodes:
+            output_type = "pt" if helps_decode and output_type != "latent" else "latent"
         output = pipe(
             **embeds,
             generator=generator,
-            output_type=output_type if decodes else "latent",
+            output_type=output_type,
             callback_on_step_end=check.step_end,
             callback_on_step_end_tensor_inputs=["latents"],
             **{**kwargs, **self.call_overrides},

@@ -115,7 +115,8 @@ class MiniMaxH3Adapter(PipelineAdapter):
         """The MP4's metadata, when the MP4 and the WAV beside it are both complete."""
         return read_video_text(path, audio=True)
 
-    def load_denoiser(self, checkpoint: Checkpoint, transformer, torch_dtype, device: torch.device, decodes: bool):
+    def load_denoiser(self, checkpoint: Checkpoint, transformer, torch_dtype, device: torch.device, decodes: bool,
+                      helps_decode: bool = False):
         denoiser = _sub_pipeline(checkpoint, "denoise")
         denoiser.load_components(names=[n for n in denoiser.pretrained_component_names if n != "transformer"])
         denoiser.update_components(transformer=transformer)
@@ -126,8 +127,10 @@ class MiniMaxH3Adapter(PipelineAdapter):
         denoiser.audio_vae = checkpoint.meta("audio_vae")
         denoiser.sequence_padding = PackedSequencePadding(transformer)
         decoder = None
-        if decodes:
-            decoder = _load(_sub_pipeline(checkpoint, "decode"), checkpoint, torch_dtype)
+        if decodes or helps_decode:
+            # A rank that only helps (parallel VAE) decodes video with the leader; the small audio VAE stays there.
+            blocks = "decode" if decodes else "decode.video"
+            decoder = _load(_sub_pipeline(checkpoint, blocks), checkpoint, torch_dtype)
             decoder.to(device)
         return H3Pipelines(denoiser, decoder)
 
@@ -151,13 +154,19 @@ class MiniMaxH3Adapter(PipelineAdapter):
         """The video and audio decoders' modules (none where this rank does not decode)."""
         if pipes.decoder is None:
             return []
-        return [pipes.decoder.vae.decoder, pipes.decoder.audio_vae.decoder]
+        audio_vae = getattr(pipes.decoder, "audio_vae", None)  # only on the rank that keeps the output
+        return [pipes.decoder.vae.decoder] + ([audio_vae.decoder] if audio_vae is not None else [])
+
+    def vae(self, pipes: H3Pipelines) -> torch.nn.Module | None:
+        return None if pipes.decoder is None else pipes.decoder.vae
 
     def encode(self, encoder, prompt: str, negative_prompt: str | None) -> dict[str, torch.Tensor]:
         return encoder(prompt=prompt, output=["prompt_embeds", "text_token_tags"])
 
-    def __call__(self, pipes: H3Pipelines, embeds, *, generator, decodes: bool, check, buckets=(), **kwargs):
-        """Denoise on every rank (packed sequence padded to `buckets`); decode video and audio on the decoding rank."""
+    def __call__(self, pipes: H3Pipelines, embeds, *, generator, decodes: bool, check, buckets=(),
+                 helps_decode: bool = False, **kwargs):
+        """Denoise on every rank (packed sequence padded to `buckets`); decode video and audio on the decoding rank,
+        the video also on the ranks that `helps_decode` (parallel VAE), which drop it."""
         pipes.denoiser.sequence_padding.buckets = tuple(buckets)
         handle = pipes.denoiser.transformer.register_forward_pre_hook(check.pre_hook, with_kwargs=True)
         try:
@@ -166,6 +175,8 @@ class MiniMaxH3Adapter(PipelineAdapter):
             handle.remove()
         check.check([latents["latents"], latents["audio_latents"]], "the last step")
         if not decodes:
+            if helps_decode:
+                pipes.decoder(latents=latents["latents"], output_type="pt", output=["videos"])
             return None
         decoded = pipes.decoder(**latents, output_type="pt", output=["videos", "audio", "sampling_rate"])
         return VideoWithAudio(

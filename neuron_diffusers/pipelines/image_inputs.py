@@ -24,6 +24,11 @@ both TP groups (two hops: its TP group, then each rank's partner), so the two br
 text is shared within each TP group only, since each group's pipeline encodes the prompts in its own order
 (`cfg.swap_branches`).
 
+With parallel VAE (`parallel/vae.py`) on for the call, every rank of the TP group holds the VAE: all of them run
+`encode` together, each on a band of the image, and each gets the whole posterior (equal on every rank by
+construction: the bands are all-gathered); on a CFG pair the group of CFG rank 0 encodes and each of its ranks
+sends the result to its partner.
+
 Every collective sits where the stock code calls `vae.encode` / `encode_prompt`, which every rank reaches in the
 same order (the same stock code runs everywhere); a failure on the encoding rank is broadcast and raised on every
 rank; and what each rank feeds the VAE is compared across the group first (one 3-number all-gather), so a rank
@@ -61,24 +66,28 @@ class LeaderFailedError(RuntimeError):
 @dataclass(frozen=True)
 class Group:
     """The ranks that share one computation: a TP group, and with `pair` (a CFG pair's group) its partner group
-    too. The source is the TP leader of CFG rank 0."""
+    too. The source is the TP leader of CFG rank 0; with `tp_computes`, every rank of CFG rank 0's TP group (the
+    computation is itself split over the TP group, and gives each of them the whole result: parallel VAE)."""
 
     tp: object
     pair: object | None
     device: torch.device
+    tp_computes: bool = False
 
     def _hops(self) -> list:
-        """The groups this rank takes part in, in order: its TP group (CFG rank 0 only), then its pair."""
-        hops = [] if self.pair is not None and dist.get_group_rank(self.pair, dist.get_rank()) != 0 else [self.tp]
+        """The groups this rank takes part in, in order: its TP group (CFG rank 0 only; none when `tp_computes`),
+        then its pair."""
+        first = self.pair is None or dist.get_group_rank(self.pair, dist.get_rank()) == 0
+        hops = [self.tp] if first and not self.tp_computes else []
         return [g for g in (*hops, self.pair) if g is not None and dist.get_world_size(g) > 1]
 
     @property
     def is_source(self) -> bool:
         in_pair = self.pair is None or dist.get_group_rank(self.pair, dist.get_rank()) == 0
-        return in_pair and dist.get_group_rank(self.tp, dist.get_rank()) == 0
+        return in_pair and (self.tp_computes or dist.get_group_rank(self.tp, dist.get_rank()) == 0)
 
     def share(self, compute):
-        """`compute()` on the source rank, its result (a tensor, None, or a tuple of those) on every rank, on
+        """`compute()` on the source rank(s), its result (a tensor, None, or a tuple of those) on every rank, on
         `device`. The structure (or the source's error) goes first, then each tensor; an exception on the source is
         raised on every rank (elsewhere as `LeaderFailedError` with its message), so no rank waits in a collective
         the source never reaches."""
@@ -141,8 +150,8 @@ def _spec(result) -> tuple[bool, list]:
 
 
 class GroupVAE:
-    """`pipe.vae` for one call: `encode` computed on the group's source rank and shared; everything else read from
-    `vae` (the real model on the leader, `vae_without_coders` elsewhere).
+    """`pipe.vae` for one call: `encode` computed on the group's source rank(s) and shared; everything else read from
+    `vae` (the real model on the leader and, with parallel VAE, on every rank; `vae_without_coders` elsewhere).
 
     Not an `nn.Module`, so `DiffusionPipeline.device` keeps naming the transformer's device on every rank.
     """
@@ -164,7 +173,7 @@ class GroupVAE:
 
     def decode(self, *args, **kwargs):
         if not self._decodes:
-            raise RuntimeError("Only the TP leader decodes; this rank holds no VAE weights.")
+            raise RuntimeError("Only the TP leader decodes (no parallel VAE); this rank holds no VAE weights.")
         return self._vae.decode(*args, **kwargs)
 
 
@@ -261,16 +270,19 @@ def _attribute(obj, name: str, value):
 
 @contextmanager
 def shared_image_inputs(pipe, *, vae, encoder, tp_group, pair_group, device: torch.device, decodes: bool,
-                        text_encode: bool):
+                        text_encode: bool, vae_splits: bool = False):
     """For one stock call with image inputs: `pipe.vae` shares one rank's encodings over the TP group (and the CFG
-    pair, `pair_group`); with `text_encode`, `pipe.encode_prompt` shares the TP leader's CPU `encoder`'s result.
+    pair, `pair_group`), or with `vae_splits` (parallel VAE on for this call) the TP group's joint encoding over the
+    pair; with `text_encode`, `pipe.encode_prompt` shares the TP leader's CPU `encoder`'s result. `decodes`: this
+    rank calls `vae.decode` (the leader, and with parallel VAE every rank of the decoding group).
 
     Both are instance attributes for the length of the block: `pipe.vae` is swapped as `cfg.py` swaps
     `pipe.transformer`, and `encode_prompt`, a public method the stock call reaches through `self`, is shadowed on
     the instance and removed afterwards (no private name is touched).
     """
     with ExitStack() as stack:
-        stack.enter_context(_attribute(pipe, "vae", GroupVAE(vae, Group(tp_group, pair_group, device), decodes)))
+        group = Group(tp_group, pair_group, device, vae_splits)
+        stack.enter_context(_attribute(pipe, "vae", GroupVAE(vae, group, decodes)))
         if text_encode:
             text = Group(tp_group, None, device)
 

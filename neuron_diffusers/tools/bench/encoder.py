@@ -1,9 +1,10 @@
 """Peak RSS of the rank that encodes vs the rank that does not, with a text encoder big enough to see.
 
-`load_pipeline` loads the text encoders (and the VAE) only on the leader of each tensor-parallel group; the
-other ranks load their transformer shard and the scheduler. This benchmark shows what that saves. It builds the
-tiny FLUX.1 checkpoint with its T5 (`text_encoder_2`) widened to about `--encoder-mib` MiB of fp32 weights (the
-transformer's `joint_attention_dim` follows T5's width), then measures, each in a fresh process:
+`load_pipeline` loads the text encoders (and, with `parallel_vae=False` as here, the VAE) only on the leader of
+each tensor-parallel group; the other ranks load their transformer shard and the scheduler. This benchmark shows
+what that saves. It builds the tiny FLUX.1 checkpoint with its T5 (`text_encoder_2`) widened to about
+`--encoder-mib` MiB of fp32 weights (the transformer's `joint_attention_dim` follows T5's width), then measures,
+each in a fresh process:
 
 - two gloo CPU ranks at TP=2: `load_pipeline` + one `generate`;
 - the stock way, what every rank pays without our runner: `DiffusionPipeline.from_pretrained` + one call.
@@ -121,7 +122,7 @@ def _report(loaded: dict, images, **fields) -> dict:
 def _tp_rank(checkpoint: str, height: int, width: int, steps: int) -> dict:
     """One TP=2 rank: `load_pipeline` + one `generate`."""
     mesh = init_distributed(tp=2)
-    pipe = load_pipeline(checkpoint, mesh)
+    pipe = load_pipeline(checkpoint, mesh, parallel_vae=False)
     loaded = _rss_mib()
     images = pipe.generate(PROMPT, seed=0, height=height, width=width, num_inference_steps=steps)
     return _report(loaded, images, rank=dist.get_rank(), tp_rank=mesh["tp"].get_local_rank(),

@@ -1,4 +1,4 @@
-"""The memory benchmark's chart, drawn with Pillow.
+"""The benchmarks' charts (`bench memory`, `bench vae`), drawn with Pillow.
 
 Pillow is already a dependency (the pipelines return PIL images); a dozen rectangles do not justify
 adding matplotlib and its own dependencies for every user, so the chart is drawn by hand.
@@ -86,4 +86,56 @@ def grouped_bars(rows: list[dict], path: Path) -> None:
     for i, family in enumerate(families):
         _panel(draw, i * PANEL_W, [row for row in rows if row["family"] == family])
     _legend(draw)
+    image.save(path)
+
+
+PAIR_COLORS = (COLORS["stock"], COLORS["ours"])
+
+
+def _pair_panel(draw: ImageDraw.ImageDraw, x0: int, panel: dict) -> None:
+    """One quantity: a pair of bars per group (`panel["groups"]`: (label, (first, second))), each bar labelled."""
+    values = [value for _, pair in panel["groups"] for value in pair]
+    top = max(values) * 1.12
+    plot_top, plot_bottom = MARGIN_TOP, PANEL_H - MARGIN_BOTTOM
+    left, right = x0 + AXIS_LEFT, x0 + PANEL_W - 12
+
+    def y(value: float) -> float:
+        return plot_bottom - value / top * (plot_bottom - plot_top)
+
+    step, tick = _tick_step(top), 0.0
+    while tick <= top:
+        draw.line([(left, y(tick)), (right, y(tick))], fill=COLORS["grid"])
+        draw.text((left - 6, y(tick)), f"{tick:g}", fill="black", font=_font(12), anchor="rm")
+        tick += step
+    draw.text(((left + right) / 2, plot_top - 28), panel["title"], fill="black", font=_font(15), anchor="mm")
+    draw.text(((left + right) / 2, plot_top - 10), panel["unit"], fill="black", font=_font(12), anchor="mm")
+    group_w = (right - left) / len(panel["groups"])
+    bar_w = group_w * 0.36
+    for i, (label, pair) in enumerate(panel["groups"]):
+        center = left + group_w * (i + 0.5)
+        for offset, value, color in zip((-1, 0), pair, PAIR_COLORS, strict=True):
+            bx = center + offset * bar_w
+            draw.rectangle([bx, y(value), bx + bar_w, plot_bottom], fill=color)
+            draw.text((bx + bar_w / 2, y(value) - 2), f"{value:.0f}" if value >= 100 else f"{value:.3g}", fill="black",
+                      font=_font(10), anchor="mb")
+        draw.text((center, plot_bottom + 14), label, fill="black", font=_font(12), anchor="mm")
+    draw.line([(left, plot_bottom), (right, plot_bottom)], fill="black")
+    draw.line([(left, plot_top), (left, plot_bottom)], fill="black")
+
+
+def paired_bars(panels: list[dict], series: tuple[str, str], title: str, path: Path) -> None:
+    """Write a PNG with one panel per quantity, each comparing two `series` (e.g. one rank, N ranks) per group.
+
+    A panel is {"title", "unit", "groups": [(label, (first, second)), ...]}.
+    """
+    image = Image.new("RGB", (PANEL_W * len(panels), PANEL_H), "white")
+    draw = ImageDraw.Draw(image)
+    for i, panel in enumerate(panels):
+        _pair_panel(draw, i * PANEL_W, panel)
+    draw.text((12, 8), title, fill="black", font=_font(16))
+    x, y = 12, 40
+    for label, color in zip(series, PAIR_COLORS, strict=True):
+        draw.rectangle([x, y - 7, x + 16, y + 7], fill=color)
+        draw.text((x + 22, y), label, fill="black", font=_font(13), anchor="lm")
+        x += 22 + int(draw.textlength(label, font=_font(13))) + 24
     image.save(path)

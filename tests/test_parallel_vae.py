@@ -1,0 +1,141 @@
+"""Parallel VAE: decode and encode split over 2 ranks give the stock single-process result.
+
+One spawn (2 gloo ranks) runs every check: `load_pipeline(..., parallel_vae=True).generate(...)` at TP=2 against the
+stock pipeline alone in this process (FLUX.1 and Qwen-Image at 256x256, MiniMax-H3's video per frame), then each
+VAE alone, stock against parallel. Row-split VAEs are equal within float32 rounding (a band's convolution may
+accumulate in another order; GroupNorm statistics are combined from per-band moments); MiniMax-H3's clips are dealt
+out whole and blended by a sum with one non-zero term per element, so it is bit-exact without spatial tiles.
+"""
+
+import numpy as np
+import pytest
+import torch
+import vae_jobs
+from test_runner import stock_output
+
+from neuron_diffusers import tiny
+from neuron_diffusers.parallel.patches import vae_blocks
+from neuron_diffusers.parallel.vae import check_supported, resolve_parallel_vae
+from neuron_diffusers.parallel.vae_rows import RowGeometry, split_rows
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
+
+ROUNDING = 1e-4  # max abs difference allowed for float32 rounding (outputs are O(1)); the issue's bar is 1/255 mean
+GENERATIONS = {"flux": {"height": 256, "width": 256, "num_inference_steps": 2},
+               "qwenimage": {"height": 256, "width": 256, "num_inference_steps": 2},
+               "h3": tiny.smallest_call("h3")}  # 124 frames: 37 latent frames, decoded as 4 clips
+SMALL_TILES = {"tile_sample_min_height": 64, "tile_sample_min_width": 64,
+               "tile_sample_min_overlap_height": 16, "tile_sample_min_overlap_width": 16}
+CASES = {  # latents are 8x (16x for Qwen-Image-2.1 and MiniMax-H3) smaller than the images
+    "flux": {"family": "flux", "latent": [1, 4, 32, 32], "image": [1, 3, 256, 256], "naive": True},
+    "flux uneven": {"family": "flux", "latent": [2, 4, 33, 25], "image": [2, 3, 264, 200]},
+    "flux2": {"family": "flux2", "latent": [1, 4, 32, 32], "image": [1, 3, 256, 256]},
+    "qwenimage video": {"family": "qwenimage", "latent": [1, 16, 3, 16, 16], "image": [1, 3, 5, 128, 128]},
+    "qwenimage21": {"family": "qwenimage21", "latent": [1, 64, 1, 16, 16], "image": [1, 4, 1, 256, 256]},
+    # 3 x 3 tiles of 64 px per clip; 22 frames encode as 2 clips, 7 latent frames decode as 1.
+    "h3 tiles": {"family": "h3", "latent": [1, 4, 7, 8, 8], "image": [1, 3, 22, 128, 128], "tiling": SMALL_TILES},
+}
+ROW_CASES = [case for case, spec in CASES.items() if spec["family"] != "h3"]
+
+
+@pytest.fixture(scope="module")
+def reports(tiny_checkpoint):
+    checkpoints = {family: tiny_checkpoint(family) for family in {*GENERATIONS, *(c["family"] for c in CASES.values())}}
+    reports = run_on_cpu_ranks(vae_jobs.parallel_vae_checks, 2, checkpoints, GENERATIONS, CASES, timeout_s=1200)
+    return checkpoints, reports
+
+
+@pytest.mark.parametrize("family", ["flux", "qwenimage"])
+def test_tp2_parallel_vae_generate_gives_the_stock_image(reports, family):
+    checkpoints, (leader, other) = reports
+    expected = stock_output(checkpoints[family], family, GENERATIONS[family])["image"]
+    image = leader[f"generate {family}"]["output"]["image"]
+    assert image.shape == expected.shape == (256, 256, 3)
+    assert np.abs(image - expected).mean() < 1 / 255
+    assert other[f"generate {family}"]["output"] is None, "only the TP leader returns the image"
+    for report in (leader, other):  # every rank holds the VAE and took part in the decode
+        assert report[f"generate {family}"]["decode_calls"] > 0
+        assert any("Autoencoder" in name for name in report[f"generate {family}"]["models_in_memory"])
+
+
+def test_tp2_parallel_vae_h3_video_matches_stock_per_frame(reports):
+    checkpoints, (leader, other) = reports
+    expected = stock_output(checkpoints["h3"], "h3", GENERATIONS["h3"])
+    output = leader["generate h3"]["output"]
+    assert output["frames"].shape == expected["frames"].shape
+    per_frame = np.abs(output["frames"] - expected["frames"]).mean(axis=(1, 2, 3))  # frames: (T, C, H, W)
+    assert per_frame.max() < 1 / 255
+    assert np.abs(output["audio"] - expected["audio"]).mean() < 1 / 255
+    assert other["generate h3"]["output"] is None and other["generate h3"]["decode_calls"] > 0
+
+
+@pytest.mark.parametrize("case", ROW_CASES)
+def test_row_split_decode_and_encode_equal_stock(reports, case):
+    _, ranks = reports
+    decode = ranks[0][case]["decode"]
+    assert decode["max"] < ROUNDING and decode["mean"] < 1e-5, f"{case} decode: {decode}"
+    for rank, report in enumerate(ranks):
+        result = report[case]
+        assert result["encode"]["max"] < ROUNDING and result["encode"]["mean"] < 1e-5, f"{case} encode {rank}"
+        assert result["same_posterior_on_every_rank"] and result["removed_is_stock"] and result["hooks_left"] == 0
+
+
+def test_naive_bands_would_fail_the_same_check(reports):
+    """Without halos and global norms the bands differ visibly: the check above can fail."""
+    assert reports[1][0]["flux"]["naive_bands"]["mean"] > 1 / 255
+
+
+def test_h3_tiles_take_turns_and_match_stock(reports):
+    _, ranks = reports
+    # Each decode (encode) deals its calls (clips x tiles) out in turn, starting from rank 0.
+    first, second = (report["h3 tiles"]["calls_run"] for report in ranks)
+    assert second > 0 and 0 <= first - second <= 2
+    decode = ranks[0]["h3 tiles"]["decode"]  # corners blend 4 tiles: sums in another order
+    assert decode["worst_frame_mean"] < 1e-6 and decode["max"] < ROUNDING
+    for report in ranks:
+        result = report["h3 tiles"]
+        assert result["encode"]["max"] < ROUNDING and result["same_posterior_on_every_rank"]
+        assert result["removed_is_stock"] and result["hooks_left"] == 0
+
+
+def test_unknown_module_is_refused_and_vae_left_as_it_was(reports):
+    for report in reports[1]:
+        assert "nonlinearity (GELU)" in report["refusal"]["message"]
+        assert report["refusal"]["hooks_left"] == 0
+
+
+def test_split_rows_is_even_aligned_and_gives_the_remainder_to_the_last_rank():
+    assert split_rows(33, 2) == [(0, 17), (17, 33)]
+    assert split_rows(260, 2, multiple=8) == [(0, 128), (128, 260)]  # 32 whole 8-row units, then 4 rows
+    assert split_rows(32, 3, multiple=8) == [(0, 16), (16, 24), (24, 32)]
+    assert split_rows(16, 4, multiple=8) is None  # fewer units than ranks: every rank runs it whole
+
+
+@pytest.mark.parametrize("conv, fixes, halos", [
+    (torch.nn.Conv2d(1, 1, 3, padding=1), (1, 1), (1, 1)),
+    (torch.nn.Conv2d(1, 1, 3, stride=2, padding=1), (1, 0), (2, 0)),
+    (torch.nn.Conv2d(1, 1, 5, padding=2), (2, 2), (2, 2)),
+])
+def test_row_geometry_names_the_rows_that_read_past_a_band_edge(conv, fixes, halos):
+    geometry = RowGeometry.of_conv(conv)
+    assert (geometry.top_fix, geometry.bottom_fix) == fixes
+    assert (geometry.halo_top, geometry.halo_bottom) == halos
+
+
+def test_downsample_pad_then_conv_unit():
+    """diffusers' Downsample2D(padding=0) and Qwen's ZeroPad2d((0, 1, 0, 1)) + conv: one bottom row from below."""
+    geometry = RowGeometry.of_conv(torch.nn.Conv2d(1, 1, 3, stride=2), pad_top=0, pad_bottom=1)
+    assert (geometry.top_fix, geometry.bottom_fix, geometry.halo_top, geometry.halo_bottom) == (0, 1, 0, 1)
+    downsample = vae_blocks("bottom_padded_downsample")[0](4, use_conv=True, padding=0)
+    assert (downsample.use_conv, downsample.padding, type(downsample.conv)) == (True, 0, torch.nn.Conv2d)
+
+
+def test_unsupported_vae_class_is_refused_by_name_before_loading():
+    check_supported("AutoencoderKLQwenImage")
+    with pytest.raises(ValueError, match="does not support AutoencoderKLWan.*parallel_vae=False"):
+        resolve_parallel_vae(True, "AutoencoderKLWan", 2)
+    assert resolve_parallel_vae(None, "AutoencoderKLWan", 2) is None  # the default leaves it to the leader
+    assert resolve_parallel_vae(True, "AutoencoderKL", 1) is None  # one rank: nothing to split
+    assert resolve_parallel_vae(False, "AutoencoderKLMiniMaxH3", 2) is None
+    assert resolve_parallel_vae(True, "AutoencoderKL", 2) == 0  # asked for: every size
+    assert resolve_parallel_vae(None, "AutoencoderKL", 2) == 1024 * 1024
+    assert resolve_parallel_vae(None, "AutoencoderKLMiniMaxH3", 2) == 0
