@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from rank_jobs import _max_diff
+from rank_jobs import _max_diff, _past_the_entry_check
 
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.tools.plan.cases import predictions, reference_call
@@ -278,7 +278,7 @@ def runner_job(checkpoints: dict, calls: dict, jobs: dict, cfg_call: dict) -> di
     import torch.distributed as dist
 
     import neuron_diffusers as nd
-    from neuron_diffusers.consistency import LatentsDivergedError
+    from neuron_diffusers.consistency import GroupOutOfStepError, LatentsDivergedError
     from neuron_diffusers.distributed import image_group
     from neuron_diffusers.tools.bench.context import count_forward
 
@@ -294,8 +294,14 @@ def runner_job(checkpoints: dict, calls: dict, jobs: dict, cfg_call: dict) -> di
                   "mode": tuple(pipe.cp_mode), "encoder": pipe.encoder is not None, "collectives": dict(counter.calls),
                   "attentions": sum(hasattr(m, "processor") for m in pipe.adapter.transformer_of(pipe.pipe).modules())}
         if family == "flux":  # a different seed per rank: the whole image group (not only TP) must notice
-            try:
+            try:  # the entry handshake spans the image group: it refuses the call before any work
                 pipe.generate(PROMPT, seed=dist.get_rank() % 2, **calls[family])  # equal within each TP group
+                result["entry"] = "not caught"
+            except GroupOutOfStepError as error:
+                result["entry"] = str(error)
+            try:  # and past it, the latent check does too
+                with _past_the_entry_check():
+                    pipe.generate(PROMPT, seed=dist.get_rank() % 2, **calls[family])
                 result["divergence"] = "not caught"
             except LatentsDivergedError as error:
                 result["divergence"] = str(error)

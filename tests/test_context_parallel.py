@@ -108,6 +108,8 @@ def api_report(cp_report):
 
 @pytest.fixture(scope="module")
 def runner_report(cp_report):
+    failed = [r["runner"]["error"] for r in cp_report if "error" in r["runner"]]
+    assert not failed, failed[0]  # the part's traceback, not a KeyError in the first test that reads it
     return [r["runner"] for r in cp_report]
 
 
@@ -302,6 +304,8 @@ def test_bench_cp_table():
 def test_group_wide_latent_check(runner_report):
     """Ranks of one TP group agree but the Ulysses pairs start from different noise: still caught."""
     for report in runner_report:
+        assert "different arguments" in report["generate"]["flux"]["entry"]
+        assert all(f"rank {rank}:" in report["generate"]["flux"]["entry"] for rank in range(4))
         assert "image group (TP x context parallel)" in report["generate"]["flux"]["divergence"]
 
 
