@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny checkpoints built once per session, and a hermetic model cache."""
+"""Shared fixtures: tiny checkpoints built once per session, a hermetic model cache, and the bad-input check of
+the `generate` command."""
+
+import os
 
 import pytest
 
 from neuron_diffusers import tiny
+from neuron_diffusers.cli import main
 
 IMAGE_FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21")
 
@@ -25,3 +29,21 @@ def tiny_checkpoint(tmp_path_factory):
 def _hermetic_cache(tmp_path_factory, monkeypatch):
     """Embedded tiny models go to a per-session cache, never the user's ~/.cache."""
     monkeypatch.setenv("NEURON_DIFFUSERS_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def generate_refuses(tmp_path, capsys):
+    """`generate_refuses(args, message)`: `generate ARGS` exits 2 with `message` in its one error line, and writes
+    nothing: no `--out` (given, or `tmp_path / "out"`) that was not there before, no `tmp_path / "out"`."""
+    def check(args: list[str], message: str) -> None:
+        out = tmp_path / "out"
+        if "--out" not in args:
+            args = [*args, "--out", str(out)]
+        target = args[args.index("--out") + 1]
+        existed = os.path.exists(target)  # e.g. a file given as --out: refused, and left as it was
+        assert main(["generate", *args]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(lines) == 1 and message in lines[0], lines
+        assert (existed or not os.path.exists(target)) and not out.exists()
+
+    return check

@@ -208,15 +208,9 @@ BAD_INPUT = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_is_rejected_before_anything_is_written(tmp_path, capsys, tiny_checkpoint, case):
+def test_bad_input_is_rejected_before_anything_is_written(tmp_path, tiny_checkpoint, generate_refuses, case):
     make_args, message = BAD_INPUT[case]
-    args = make_args(tmp_path, tiny_checkpoint)
-    out = tmp_path / "out"
-    if "--out" not in args:
-        args += ["--out", str(out)]
-    assert main(["generate", *args]) == 2
-    assert message in capsys.readouterr().err
-    assert not out.exists()
+    generate_refuses(make_args(tmp_path, tiny_checkpoint), message)
 
 
 def test_tp_that_does_not_divide_the_heads_is_rejected(tmp_path, capsys, monkeypatch):

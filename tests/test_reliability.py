@@ -217,17 +217,10 @@ BAD_INPUT = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys, tiny_checkpoint, case):
+def test_bad_input_is_refused_in_one_line_before_anything_is_written(tmp_path, tiny_checkpoint, generate_refuses,
+                                                                       case):
     make_args, message = BAD_INPUT[case]
-    args = make_args(tmp_path, tiny_checkpoint)
-    out = tmp_path / "out"
-    if "--out" not in args:
-        args += ["--out", str(out)]
-    assert main(["generate", *args]) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(lines) == 1 and message in lines[0], lines
-    target = args[args.index("--out") + 1]
-    assert not os.path.exists(target) and not out.exists()
+    generate_refuses(make_args(tmp_path, tiny_checkpoint), message)
 
 
 ARGUMENT_ERRORS = {
