@@ -462,12 +462,8 @@ def load_pipeline(
     # A degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is read
     # (see `parallel/patches.py`).
     parallel = _parallel_config(mesh, mode)
-    vae_min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"), dim_size(mesh, "tp"))
-    if degree > 1:  # the parallel VAE splits over the TP group only; under CP the image leader decodes alone
-        if parallel_vae:
-            raise ValueError("parallel_vae=True does not run under context parallelism yet (the VAE splits over the "
-                             "TP group only): pass parallel_vae=False or None, or drop ulysses/ring.")
-        vae_min_pixels = None
+    vae_min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"), dim_size(mesh, "tp"),
+                                          context_degree=degree)
     times = PhaseTimes()
     with times.phase("load transformer (sharded)"):
         transformer = checkpoint.transformer_class().from_pretrained(

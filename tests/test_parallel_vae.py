@@ -139,3 +139,7 @@ def test_unsupported_vae_class_is_refused_by_name_before_loading():
     assert resolve_parallel_vae(True, "AutoencoderKL", 2) == 0  # asked for: every size
     assert resolve_parallel_vae(None, "AutoencoderKL", 2) == 1024 * 1024
     assert resolve_parallel_vae(None, "AutoencoderKLMiniMaxH3", 2) == 0
+    # Context parallelism (image group larger than the TP group): asked for, refused; by default, off.
+    with pytest.raises(ValueError, match="does not run under context parallelism yet"):
+        resolve_parallel_vae(True, "AutoencoderKL", 2, context_degree=2)
+    assert resolve_parallel_vae(None, "AutoencoderKLMiniMaxH3", 2, context_degree=2) is None
