@@ -467,9 +467,8 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         heads = checkpoint.config("transformer").get("num_attention_heads")
         context.check_layout(checkpoint.family.display_name, heads, world_size, tp=tp, ulysses=args.ulysses,
                              ring=args.ring, cfg=pairs, ulysses_anything=mode.ulysses_anything)
-    min_pixels = resolve_parallel_vae(args.parallel_vae, checkpoint.component_class_name("vae"), tp,
-                                      context_degree=cp)
-    parallel_vae = False if cp > 1 else args.parallel_vae  # under CP the image group's leader decodes alone
+    min_pixels = resolve_parallel_vae(args.parallel_vae, checkpoint.component_class_name("vae"), tp * cp)
+    parallel_vae = args.parallel_vae
     if parallel_vae is None and min_pixels is not None and all(r.height * r.width < min_pixels for r in requests):
         parallel_vae = False  # the default would split none of these: the other ranks need not hold the VAE
     check_loras(checkpoint, loras)  # last, the slowest: each file read and checked against the transformer's config

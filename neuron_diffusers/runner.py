@@ -6,7 +6,7 @@ stream each rank's transformer slice → the leader (group rank 0) loads the tex
 once and broadcasts the embeddings to the group → every rank denoises the same CPU-seeded noise with the stock
 pipeline, checking that the group's latents agree (under context parallelism every rank holds the whole latents:
 the transformer's output is gathered) → the leader decodes and returns the image (with parallel VAE,
-every rank of the TP group decodes one piece of it, `parallel/vae.py`; not under context parallelism).
+every rank of the image group decodes one piece of it, `parallel/vae.py`).
 
 With `cache=` (a diffusers step-cache config) the transformer runs diffusers' cache hooks with every skip decision
 shared by its group (`parallel/cache.py`), and each image's forwards computed vs served from the cache are kept.
@@ -17,7 +17,7 @@ without it gives each group its own images, so the second group is extra data pa
 
 Image inputs (`generate(image=..., mask_image=..., strength=...)`, any stock class on the family's transformer
 via `load_pipeline(..., pipeline_class=...)`) go through the stock call too; the one rank that holds a VAE (with
-parallel VAE: the TP group, encoding together; and where the text encoder reads the image, the leader's encoder)
+parallel VAE: the image group, encoding together; and where the text encoder reads the image, the leader's encoder)
 shares its results inside it (`pipelines/image_inputs.py`).
 """
 
@@ -111,7 +111,7 @@ class TPPipeline:
     #: The checkpoint it was loaded from, and how context parallelism runs it (None without).
     checkpoint: Checkpoint | None = None
     cp_mode: context.RunnerMode | None = None
-    #: The VAE split over the TP group (`load_pipeline(parallel_vae=...)`), or None: the leader decodes alone.
+    #: The VAE split over the image group (`load_pipeline(parallel_vae=...)`), or None: the leader decodes alone.
     parallel_vae: ParallelVAE | None = None
 
     def __post_init__(self):
@@ -246,8 +246,8 @@ class TPPipeline:
     def _denoise(self, embeds: dict, seed: int, joint: bool, check_latents_every: int | None, pipeline_kwargs: dict,
                  image_kwargs: dict, in_call: bool):
         """One stock pipeline call; with `joint`, the transformer computes only this rank's guidance branch; with
-        `image_kwargs`, one rank's VAE encodes for all, or with parallel VAE the TP group together (and with `in_call`
-        the leader's text encoder reads the image)."""
+        `image_kwargs`, one rank's VAE encodes for all, or with parallel VAE the image group together (and with
+        `in_call` the leader's text encoder reads the image)."""
         branch = cfg_rank(self.mesh) if joint else 0
         cfg_group = self.mesh["cfg"].get_group() if joint else None
         generator = torch.Generator("cpu").manual_seed(seed)
@@ -258,7 +258,7 @@ class TPPipeline:
         images = nullcontext()
         if image_kwargs:
             # The image group's leader (its VAE, its encoder) shares with every rank of the group, CP ranks included;
-            # with parallel VAE (never under CP: then the image group is the TP group) the group encodes together.
+            # with parallel VAE the group encodes together.
             images = shared_image_inputs(self.pipe, vae=self.follower_vae() if self.follower_vae else self.pipe.vae,
                                          encoder=self.encoder, tp_group=image_group(self.mesh), pair_group=cfg_group,
                                          device=mesh_device(self.mesh), decodes=self.is_leader or splits_vae,
@@ -284,7 +284,7 @@ class TPPipeline:
             check_context_parallel_call(self.adapter, self.checkpoint, pipeline_kwargs, context_degree(self.mesh))
 
     def _splits_vae(self, pipeline_kwargs: dict) -> bool:
-        """Whether this call's decode (and encode) is split over the TP group, telling the VAE: with parallel VAE on
+        """Whether this call's decode (and encode) is split over the image group, telling the VAE: with parallel VAE on
         and an image large enough (`ParallelVAE.splits`); otherwise the leader decodes alone."""
         if self.parallel_vae is None:
             return False
@@ -419,13 +419,6 @@ def load_pipeline(
     compiled static shapes). Qwen-Image-2.1 runs that way unless its buckets are opted in (`buckets=`: see its
     adapter and `parallel/context_qwenimage21.py`).
 
-    `parallel_vae=True` loads the VAE on every rank of the TP group and splits each decode (and each encode of an
-    input image) over the group, with the stock result within float32 rounding (`parallel/vae.py`); `False` decodes
-    and encodes on the leader alone; `None` (default) loads it on every rank where the VAE class can be split and
-    splits the calls where that pays (`parallel.vae.DEFAULT_MIN_PIXELS`: MiniMax-H3 always, the others from 1024 x
-    1024). `True` with a VAE it cannot split, or under context parallelism (not built yet), is refused before any
-    weight is read.
-
     `pipeline_class` (a stock class or its name) runs the folder with another class on the same transformer, e.g.
     FluxKontextPipeline, FluxImg2ImgPipeline or FluxInpaintPipeline on a FLUX.1 folder; default: the class the
     folder's index names. A class built on another transformer, or needing a component the folder lacks, is refused
@@ -435,11 +428,12 @@ def load_pipeline(
     installed with decisions shared by the image group (`parallel/cache.py`); it is tried on the meta-device transformer
     before any weight is read.
 
-    `parallel_vae=True` loads the VAE on every rank of the TP group and splits each decode (and each encode of an
-    input image) over the group, with the stock result within float32 rounding (`parallel/vae.py`); `False` decodes
-    and encodes on the leader alone; `None` (default) loads it on every rank where the VAE class can be split and
-    splits the calls where that pays (`parallel.vae.DEFAULT_MIN_PIXELS`: MiniMax-H3 always, the others from 1024 x
-    1024). `True` with a VAE it cannot split is refused before any weight is read.
+    `parallel_vae=True` loads the VAE on every rank of the image group (TP x ring x Ulysses) and splits each decode
+    (and each encode of an input image) over the group, with the stock result within float32 rounding
+    (`parallel/vae.py`); `False` decodes and encodes on the leader alone; `None` (default) loads it on every rank
+    where the VAE class can be split and splits the calls where that pays (`parallel.vae.DEFAULT_MIN_PIXELS`:
+    MiniMax-H3 always, the others from 1024 x 1024). `True` with a VAE it cannot split is refused before any weight
+    is read.
     """
     checkpoint = resolve(model, pipeline_class)
     if cache is not None:
@@ -462,8 +456,8 @@ def load_pipeline(
     # A degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is read
     # (see `parallel/patches.py`).
     parallel = _parallel_config(mesh, mode)
-    vae_min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"), dim_size(mesh, "tp"),
-                                          context_degree=degree)
+    vae_min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"),
+                                          dim_size(mesh, "tp") * degree)
     times = PhaseTimes()
     with times.phase("load transformer (sharded)"):
         transformer = checkpoint.transformer_class().from_pretrained(
@@ -486,7 +480,7 @@ def load_pipeline(
             follower_vae = functools.cache(functools.partial(vae_without_coders, checkpoint, dtype))
     handle = None
     if vae_min_pixels is not None:
-        handle = enable_parallel_vae(adapter.vae(pipe), mesh["tp"].get_group(), min_pixels=vae_min_pixels)
+        handle = enable_parallel_vae(adapter.vae(pipe), image_group(mesh), min_pixels=vae_min_pixels)
     if mode is not None and mode.pad and not mode.any_length:
         adapter.configure_context_parallel(pipe, degree)
     # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.

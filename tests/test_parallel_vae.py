@@ -23,6 +23,8 @@ ROUNDING = 1e-4  # max abs difference allowed for float32 rounding (outputs are 
 GENERATIONS = {"flux": {"height": 256, "width": 256, "num_inference_steps": 2},
                "qwenimage": {"height": 256, "width": 256, "num_inference_steps": 2},
                "h3": tiny.smallest_call("h3")}  # 124 frames: 37 latent frames, decoded as 4 clips
+#: Under context parallelism (Ulysses=2, TP=1) the image group's ranks hold the VAE and split the decode too.
+CONTEXT_PARALLEL = {family: GENERATIONS[family] for family in ("flux", "qwenimage", "h3")}
 SMALL_TILES = {"tile_sample_min_height": 64, "tile_sample_min_width": 64,
                "tile_sample_min_overlap_height": 16, "tile_sample_min_overlap_width": 16}
 CASES = {  # latents are 8x (16x for Qwen-Image-2.1 and MiniMax-H3) smaller than the images
@@ -40,32 +42,36 @@ ROW_CASES = [case for case, spec in CASES.items() if spec["family"] != "h3"]
 @pytest.fixture(scope="module")
 def reports(tiny_checkpoint):
     checkpoints = {family: tiny_checkpoint(family) for family in {*GENERATIONS, *(c["family"] for c in CASES.values())}}
-    reports = run_on_cpu_ranks(vae_jobs.parallel_vae_checks, 2, checkpoints, GENERATIONS, CASES, timeout_s=1200)
+    reports = run_on_cpu_ranks(vae_jobs.parallel_vae_checks, 2, checkpoints, GENERATIONS, CASES, CONTEXT_PARALLEL,
+                               timeout_s=1200)
     return checkpoints, reports
 
 
+@pytest.mark.parametrize("layout", ["", "ulysses2 "], ids=["tp2", "ulysses2"])
 @pytest.mark.parametrize("family", ["flux", "qwenimage"])
-def test_tp2_parallel_vae_generate_gives_the_stock_image(reports, family):
+def test_parallel_vae_generate_gives_the_stock_image(reports, family, layout):
     checkpoints, (leader, other) = reports
     expected = stock_output(checkpoints[family], family, GENERATIONS[family])["image"]
-    image = leader[f"generate {family}"]["output"]["image"]
+    generated = {rank: report[f"generate {layout}{family}"] for rank, report in enumerate((leader, other))}
+    image = generated[0]["output"]["image"]
     assert image.shape == expected.shape == (256, 256, 3)
     assert np.abs(image - expected).mean() < 1 / 255
-    assert other[f"generate {family}"]["output"] is None, "only the TP leader returns the image"
-    for report in (leader, other):  # every rank holds the VAE and took part in the decode
-        assert report[f"generate {family}"]["decode_calls"] > 0
-        assert any("Autoencoder" in name for name in report[f"generate {family}"]["models_in_memory"])
+    assert generated[1]["output"] is None, "only the image group's leader returns the image"
+    for report in generated.values():  # every rank of the image group holds the VAE and took part in the decode
+        assert report["decode_calls"] > 0
+        assert any("Autoencoder" in name for name in report["models_in_memory"])
 
 
-def test_tp2_parallel_vae_h3_video_matches_stock_per_frame(reports):
+@pytest.mark.parametrize("layout", ["", "ulysses2 "], ids=["tp2", "ulysses2"])
+def test_parallel_vae_h3_video_matches_stock_per_frame(reports, layout):
     checkpoints, (leader, other) = reports
     expected = stock_output(checkpoints["h3"], "h3", GENERATIONS["h3"])
-    output = leader["generate h3"]["output"]
+    output = leader[f"generate {layout}h3"]["output"]
     assert output["frames"].shape == expected["frames"].shape
     per_frame = np.abs(output["frames"] - expected["frames"]).mean(axis=(1, 2, 3))  # frames: (T, C, H, W)
     assert per_frame.max() < 1 / 255
     assert np.abs(output["audio"] - expected["audio"]).mean() < 1 / 255
-    assert other["generate h3"]["output"] is None and other["generate h3"]["decode_calls"] > 0
+    assert other[f"generate {layout}h3"]["output"] is None and other[f"generate {layout}h3"]["decode_calls"] > 0
 
 
 @pytest.mark.parametrize("case", ROW_CASES)
@@ -139,7 +145,3 @@ def test_unsupported_vae_class_is_refused_by_name_before_loading():
     assert resolve_parallel_vae(True, "AutoencoderKL", 2) == 0  # asked for: every size
     assert resolve_parallel_vae(None, "AutoencoderKL", 2) == 1024 * 1024
     assert resolve_parallel_vae(None, "AutoencoderKLMiniMaxH3", 2) == 0
-    # Context parallelism (image group larger than the TP group): asked for, refused; by default, off.
-    with pytest.raises(ValueError, match="does not run under context parallelism yet"):
-        resolve_parallel_vae(True, "AutoencoderKL", 2, context_degree=2)
-    assert resolve_parallel_vae(None, "AutoencoderKLMiniMaxH3", 2, context_degree=2) is None

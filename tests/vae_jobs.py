@@ -94,18 +94,21 @@ def _generation(checkpoint, mesh, call: dict) -> dict:
             "models_in_memory": _loaded_models()}
 
 
-def parallel_vae_checks(checkpoints: dict, generations: dict, cases: dict, seed: int = 0) -> dict:
-    """Every check on 2 ranks: `generate` with `parallel_vae=True` per family in `generations`, then every VAE
-    `case` alone (stock vs parallel decode and encode), a naive split, and a refused module."""
+def parallel_vae_checks(checkpoints: dict, generations: dict, cases: dict, context_parallel: dict,
+                        seed: int = 0) -> dict:
+    """Every check on 2 ranks: `generate` with `parallel_vae=True` per family in `generations` at TP=2, and per
+    family in `context_parallel` at Ulysses=2 (the context-parallel ranks decode a piece too), then every VAE `case`
+    alone (stock vs parallel decode and encode), a naive split, and a refused module."""
     import neuron_diffusers as nd
 
     torch.set_num_threads(1)
-    mesh = nd.init_distributed(tp=2)
     report, seconds = {}, {}
-    for family, call in generations.items():
-        start = time.process_time()
-        report[f"generate {family}"] = _generation(checkpoints[family], mesh, call)
-        seconds[f"generate {family}"] = time.process_time() - start
+    for layout, runs in (("", generations), ("ulysses2 ", context_parallel)):
+        mesh = nd.init_distributed(tp=1, ulysses=2) if layout else nd.init_distributed(tp=2)
+        for family, call in runs.items():
+            start = time.process_time()
+            report[f"generate {layout}{family}"] = _generation(checkpoints[family], mesh, call)
+            seconds[f"generate {layout}{family}"] = time.process_time() - start
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, case in cases.items():

@@ -153,20 +153,13 @@ def parallel_vae_of(vae: nn.Module | None) -> ParallelVAE | None:
 DEFAULT_MIN_PIXELS = {"rows": 1024 * 1024, "turns": 0}
 
 
-def resolve_parallel_vae(requested: bool | None, vae_class_name: str, group_size: int,
-                         context_degree: int = 1) -> int | None:
-    """From what image size (pixels) to split the VAE over a group of `group_size` ranks, or None not to hold it
-    on every rank at all. `requested=True`: every size (a VAE class it cannot split is refused, before any weight is
-    read); False: None; None: `DEFAULT_MIN_PIXELS` for a class it can split. One rank has nothing to split.
-
-    Under context parallelism (`context_degree` ulysses x ring > 1) the image group is larger than the TP group the
-    pieces are split over: not built yet, so `True` is refused and the default leaves the decode to the leader."""
-    if requested and context_degree > 1:
-        raise ValueError("The parallel VAE does not run under context parallelism yet (it splits over the TP group "
-                         "only): leave it off (parallel_vae=False or None, no --parallel-vae), or run without "
-                         "ulysses / ring.")
+def resolve_parallel_vae(requested: bool | None, vae_class_name: str, group_size: int) -> int | None:
+    """From what image size (pixels) to split the VAE over an image group of `group_size` ranks (TP x ring x
+    Ulysses: context-parallel ranks hold the VAE and decode a piece too), or None not to hold it on every rank at all.
+    `requested=True`: every size (a VAE class it cannot split is refused, before any weight is read); False: None;
+    None: `DEFAULT_MIN_PIXELS` for a class it can split. One rank has nothing to split."""
     if requested:
         check_supported(vae_class_name)
-    if group_size == 1 or context_degree > 1 or requested is False or vae_class_name not in STRATEGIES:
+    if group_size == 1 or requested is False or vae_class_name not in STRATEGIES:
         return None
     return 0 if requested else DEFAULT_MIN_PIXELS[STRATEGIES[vae_class_name]]

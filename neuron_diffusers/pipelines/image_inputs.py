@@ -24,10 +24,10 @@ both TP groups (two hops: its TP group, then each rank's partner), so the two br
 text is shared within each TP group only, since each group's pipeline encodes the prompts in its own order
 (`cfg.swap_branches`).
 
-With parallel VAE (`parallel/vae.py`) on for the call, every rank of the TP group holds the VAE: all of them run
-`encode` together, each on a band of the image, and each gets the whole posterior (equal on every rank by
-construction: the bands are all-gathered); on a CFG pair the group of CFG rank 0 encodes and each of its ranks
-sends the result to its partner.
+With parallel VAE (`parallel/vae.py`) on for the call, every rank of the image group (TP, or TP x ring x Ulysses)
+holds the VAE: all of them run `encode` together, each on a band of the image, and each gets the whole posterior
+(equal on every rank by construction: the bands are all-gathered); on a CFG pair the group of CFG rank 0 encodes
+and each of its ranks sends the result to its partner.
 
 Every collective sits where the stock code calls `vae.encode` / `encode_prompt`, which every rank reaches in the
 same order (the same stock code runs everywhere); a failure on the encoding rank is broadcast and raised on every
