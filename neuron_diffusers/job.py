@@ -413,13 +413,12 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         meta = checkpoint.meta("transformer")
         check_cache(cache, meta, compiled_block_classes(meta, adapter) if args.compile else None)
     mode = context.runner_mode(checkpoint.family.display_name, adapter.cp_text, args.ulysses, args.ring,
-                               args.cp_any_length) if cp > 1 else None
+                               args.cp_any_length, adapter.cp_block_causal) if cp > 1 else None
     if mode is not None and mode.any_length and args.compile:
         raise ValueError(
             f"--compile with context parallelism needs static shapes, but {checkpoint.family.display_name} would run "
             f"diffusers' {'ulysses' if mode.ulysses_anything else 'ring'}_anything mode here (any length, a host sync "
-            "per attention call). Drop --compile" + ("" if checkpoint.family.name == "qwenimage21" else
-                                                     ", or --cp-any-length / the ring + padding combination") + "."
+            "per attention call). Drop --compile, or --cp-any-length / the ring + padding combination."
         )
     if args.negative_prompt is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")

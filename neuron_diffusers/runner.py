@@ -416,8 +416,7 @@ def load_pipeline(
     Under context parallelism the padding (text buckets, MiniMax-H3's packed rows) is rounded up to multiples of
     ulysses x ring, and `generate` refuses image sizes whose token count does not split, naming sizes that do;
     `cp_any_length=True` takes any size and prompt length exactly with diffusers' *_anything modes instead (not for
-    compiled static shapes). Qwen-Image-2.1 runs that way unless its buckets are opted in (`buckets=`: see its
-    adapter and `parallel/context_qwenimage21.py`).
+    compiled static shapes). Qwen-Image-2.1 runs that way with `buckets=()` (see `parallel/context_qwenimage21.py`).
 
     `pipeline_class` (a stock class or its name) runs the folder with another class on the same transformer, e.g.
     FluxKontextPipeline, FluxImg2ImgPipeline or FluxInpaintPipeline on a FLUX.1 folder; default: the class the
@@ -448,10 +447,10 @@ def load_pipeline(
     mode = None
     buckets = adapter.buckets if buckets is None else tuple(buckets)
     if degree > 1:
-        # A family without exact padding by default ("none") pads with masked positions when buckets are opted in.
-        text = "masked" if adapter.cp_text == "none" and buckets else adapter.cp_text
+        # Qwen-Image-2.1's text is padded by its buckets alone: without them, any length (`ulysses_anything`).
+        text = "none" if adapter.cp_block_causal and not buckets else adapter.cp_text
         mode = context.runner_mode(checkpoint.family.display_name, text, dim_size(mesh, "ulysses"),
-                                   dim_size(mesh, "ring"), cp_any_length)
+                                   dim_size(mesh, "ring"), cp_any_length, adapter.cp_block_causal)
         buckets = context.round_buckets(buckets, degree) if mode.pad else ()
     # A degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is read
     # (see `parallel/patches.py`).

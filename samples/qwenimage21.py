@@ -12,9 +12,9 @@ The real model, unchanged script: download Qwen/Qwen-Image-2.1 and pass the fold
     hf download Qwen/Qwen-Image-2.1 --local-dir /models/Qwen-Image-2.1
     torchrun --nproc_per_node=4 samples/qwenimage21.py --model /models/Qwen-Image-2.1 --compile --out q21.png
 
-Qwen-Image-2.1 places the image after every text position, so padding a prompt moves the image: by default it is not
-padded (exact, but one compiled graph per prompt length). With --compile this sample opts in to length buckets
-(64 ... 1024 tokens), compiled up front; the image then equals stock's for that prompt batched with longer ones.
+Prompts are padded to length buckets (64 ... 1024 tokens) with masked positions, and the transformer's RoPE positions
+are those of the unpadded prompt, so the image is the unpadded one and a compiled model never recompiles for a new
+prompt length (--compile compiles every bucket up front).
 """
 
 import argparse
@@ -40,7 +40,7 @@ parser.add_argument("--height", type=int)
 parser.add_argument("--width", type=int)
 parser.add_argument("--steps", type=int)
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--compile", nargs="?", const="auto", metavar="BACKEND", help="compile, with length buckets")
+parser.add_argument("--compile", nargs="?", const="auto", metavar="BACKEND", help="compile every length bucket")
 parser.add_argument("--out", type=Path, default=Path("qwenimage21.png"))
 args = parser.parse_args()
 
@@ -50,8 +50,7 @@ height, width, steps = args.height or height, args.width or width, args.steps or
 dtype = torch.float32 if detect_runtime().device_type == "cpu" else torch.bfloat16
 
 mesh = nd.init_distributed(tp=args.tp)  # torchrun env -> neuron > cuda > cpu; a ("dp", "tp") mesh
-buckets = (64, 128, 256, 512, 1024) if args.compile else None  # static text shapes only where they pay off
-pipe = nd.load_pipeline(args.model, mesh=mesh, torch_dtype=dtype, buckets=buckets)
+pipe = nd.load_pipeline(args.model, mesh=mesh, torch_dtype=dtype)
 call = dict(negative_prompt=args.negative_prompt, true_cfg_scale=args.true_cfg_scale)
 if args.compile:
     compile_repeated_blocks(pipe, backend=args.compile)

@@ -275,7 +275,7 @@ def runner_checks(checkpoints: dict, call_kwargs: dict) -> dict:
 def compile_checks(checkpoints: dict, call_kwargs: dict, load_kwargs: dict, prompts: list, backend: str,
                    mesh_kwargs: dict | None = None) -> dict:
     """On `init_distributed(**mesh_kwargs)` (default TP=2): warm up, then count graphs, breaks and recompiles over
-    `prompts`; compare to eager."""
+    `prompts` (a list, or a list per family); compare to eager."""
     import torch
 
     import neuron_diffusers as nd
@@ -285,18 +285,19 @@ def compile_checks(checkpoints: dict, call_kwargs: dict, load_kwargs: dict, prom
     mesh = nd.init_distributed(**(mesh_kwargs or {"tp": 2}))
     report = {}
     for family, checkpoint in checkpoints.items():
+        family_prompts = prompts[family] if isinstance(prompts, dict) else prompts
         torch._dynamo.reset()
         start = compile_report()  # dynamo's counters are per process: count this family's graphs from here
         pipe = nd.load_pipeline(checkpoint, mesh, **load_kwargs.get(family, {}))
         kwargs = dict(call_kwargs[family])
         if family != "h3":
             kwargs["output_type"] = "pt"
-        eager = pipe.generate(prompts[0], seed=0, **kwargs)
+        eager = pipe.generate(family_prompts[0], seed=0, **kwargs)
         compile_repeated_blocks(pipe, backend=backend)
         guard = warmup(pipe, [(kwargs["height"], kwargs["width"])], on_recompile="raise",
                        **{k: v for k, v in kwargs.items() if k not in ("height", "width")})
         warm = compile_report()
-        compiled = [pipe.generate(prompt, seed=0, **kwargs) for prompt in prompts]
+        compiled = [pipe.generate(prompt, seed=0, **kwargs) for prompt in family_prompts]
         guard.remove()
         after = compile_report()
         report[family] = {
@@ -536,3 +537,52 @@ def cfg_tp_checks(checkpoints: dict, cases: dict, jobs: dict) -> dict:
     mesh = nd.init_distributed(tp=2, cfg=2)
     return {"mesh": (mesh.mesh_dim_names, tuple(mesh.shape)), "cases": _cfg_generations(mesh, checkpoints, cases),
             "jobs": {name: _job_outputs(argv) for name, argv in jobs.items()}}
+
+
+# -- Qwen-Image-2.1's exact text buckets (tests/test_pipelines.py) -------------------------------------------------
+
+#: The layouts bucketed Qwen-Image-2.1 must match its unpadded self on, two ranks each.
+QI21_LAYOUTS = {"tp2": {"tp": 2}, "cfg2": {"tp": 1, "cfg": 2}, "tp1 x ulysses2": {"tp": 1, "ulysses": 2}}
+
+
+def _recording_outputs(transformer, record: list):
+    """Per forward: the text length it saw and its target-image rows (what the pipeline keeps of its output)."""
+    def hook(module, args, kwargs, output):
+        rows = kwargs["hidden_states"].shape[1]
+        record.append((kwargs["encoder_hidden_states"].shape[1], output[0][:, -rows:].detach().clone()))
+    return transformer.register_forward_hook(hook, with_kwargs=True)
+
+
+def qwenimage21_bucket_checks(checkpoint, call: dict, prompts: list) -> dict:
+    """Per layout, KV cache on and off, and prompt (with a negative, true CFG): the default (bucketed) pipeline against
+    `buckets=()` on the same ranks: the text lengths each transformer saw, the largest difference of its outputs
+    (target rows, this rank's forwards), and on the leader the mean image difference."""
+    import numpy as np
+
+    import neuron_diffusers as nd
+
+    torch.set_num_threads(1)
+    report = {}
+    for layout, mesh_kwargs in QI21_LAYOUTS.items():
+        mesh = nd.init_distributed(**mesh_kwargs)
+        pipes = {"bucketed": nd.load_pipeline(checkpoint, mesh), "unpadded": nd.load_pipeline(checkpoint, mesh,
+                                                                                              buckets=())}
+        for use_kv_cache in (True, False):
+            for index, prompt in enumerate(prompts):
+                seen, images = {}, {}
+                for label, pipe in pipes.items():
+                    seen[label] = []
+                    handle = _recording_outputs(pipe.adapter.transformer_of(pipe.pipe), seen[label])
+                    images[label] = pipe.generate(prompt, seed=0, negative_prompt=CFG_NEGATIVE, true_cfg_scale=4.0,
+                                                  use_kv_cache=use_kv_cache, output_type="np", **call)
+                    handle.remove()
+                pairs = list(zip(seen["bucketed"], seen["unpadded"], strict=True))
+                report[layout, use_kv_cache, index] = {
+                    "text_lengths": {label: sorted({length for length, _ in rows}) for label, rows in seen.items()},
+                    "output_diff": max((a - b).abs().max().item() for (_, a), (_, b) in pairs),
+                    "image_diff": None if images["bucketed"] is None else float(np.abs(
+                        images["bucketed"][0].astype(np.float64) - images["unpadded"][0]).mean()),
+                    "modes": {label: pipe.cp_mode and tuple(pipe.cp_mode) for label, pipe in pipes.items()},
+                }
+        del pipes
+    return report

@@ -1,8 +1,7 @@
 """Repeated-block compilation at TP=2 on CPU: no graph breaks, and no recompiles after warm-up, all five families.
 
-FLUX.1 and FLUX.2 pad text to `max_sequence_length` themselves; Qwen-Image and MiniMax-H3 pad exactly into length
-buckets. Qwen-Image-2.1 cannot be padded without moving its image (see its adapter), so it is bucketed here by
-opting in with `buckets=`: compiled still equals eager on the same padded input.
+FLUX.1 and FLUX.2 pad text to `max_sequence_length` themselves; Qwen-Image, Qwen-Image-2.1 and MiniMax-H3 pad
+exactly into length buckets (their defaults: nothing is passed to `load_pipeline`).
 """
 
 import pytest
@@ -13,18 +12,25 @@ from neuron_diffusers.compile import resolve_backend
 from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 FAMILIES = tiny.FAMILIES
-# Opt-in buckets for Qwen-Image-2.1 (inexact padding); the others use their adapters' defaults.
-LOAD_KWARGS = {"qwenimage21": {"buckets": (64, 128, 256, 512)}}
 WORDS = "red fox snow forest light mountain river cloud".split()
+
+
+def prompts_of(word_counts) -> list[str]:
+    return [" ".join(WORDS[i % len(WORDS)] for i in range(n)) for n in word_counts]
+
+
 # 20 prompts of 1 to 95 words: 1 to ~250 tokens depending on the family's tokenizer, over several buckets.
-PROMPTS = [" ".join(WORDS[i % len(WORDS)] for i in range(n)) for n in [1, *range(5, 100, 5)]]
+PROMPTS = prompts_of([1, *range(5, 100, 5)])
+# Qwen-Image-2.1, the seed's own example: 20 prompts of 1 to 200 words (10 to 584 tokens), all five buckets.
+PROMPTS_TO_200_WORDS = prompts_of([1 + round(i * 199 / 19) for i in range(20)])
 
 
 @pytest.fixture(scope="module")
 def compile_report(tiny_checkpoint):
     checkpoints = {family: tiny_checkpoint(family) for family in FAMILIES}
+    prompts = {family: PROMPTS_TO_200_WORDS if family == "qwenimage21" else PROMPTS for family in FAMILIES}
     return run_on_cpu_ranks(rank_jobs.compile_checks, 2, checkpoints, {f: tiny.smallest_call(f) for f in FAMILIES},
-                            LOAD_KWARGS, PROMPTS, "aot_eager", timeout_s=900)
+                            {}, prompts, "aot_eager", timeout_s=900)
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +50,10 @@ def test_no_graph_breaks_and_no_recompiles_after_warmup(compile_report, family):
 
 
 # One graph per repeated block class (FLUX.1, FLUX.2: double + single stream) and length bucket (Qwen-Image 5,
-# Qwen-Image-2.1 4 opted in, x2 for its KV-cache prefill vs cached steps; H3 5, x2 for its first step's two noise
-# levels). Without row-major block inputs FLUX.1's second single-stream block compiles again (a stride change), as
-# does Qwen-Image-2.1's first block on cached steps.
-EXPECTED_GRAPHS = {"flux": 2, "flux2": 2, "qwenimage": 5, "qwenimage21": 8, "h3": 10}
+# Qwen-Image-2.1 5, x2 for its KV-cache prefill vs cached steps; H3 5, x2 for its first step's two noise levels).
+# Without row-major block inputs FLUX.1's second single-stream block compiles again (a stride change), as does
+# Qwen-Image-2.1's first block on cached steps.
+EXPECTED_GRAPHS = {"flux": 2, "flux2": 2, "qwenimage": 5, "qwenimage21": 10, "h3": 10}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

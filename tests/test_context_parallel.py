@@ -234,7 +234,7 @@ def test_tp2_x_ulysses2_generate_and_the_job_give_the_stock_image(runner_report,
     assert result["encoder"] and not any(r["generate"][family]["encoder"] for r in runner_report[1:])
     assert all(r["generate"][family]["output"] is None for r in runner_report[1:]), "only the leader returns images"
     assert result["buckets"] == tuple(b for b in result["buckets"] if b % 2 == 0), "buckets split in equal halves"
-    assert result["mode"][:2] == ((True, False) if family == "qwenimage21" else (False, False))
+    assert result["mode"][:2] == (False, False)  # static shapes: every family pads exactly
 
     if family not in JOB_FAMILIES:
         return
@@ -354,9 +354,10 @@ def test_runner_mode_per_family_kind():
     assert context.runner_mode("Qwen-Image", "masked", 1, 2, False) == context.RunnerMode(False, True, False)
     with pytest.raises(ValueError, match="ring attention cannot take"):
         context.runner_mode("MiniMax-H3", "masked", 2, 2, False)
-    assert context.runner_mode("Qwen-Image-2.1", "none", 2, 1, False) == context.RunnerMode(True, False, True)
+    assert context.runner_mode("Qwen-Image-2.1", "masked", 2, 1, False, True) == context.RunnerMode(False, False, True)
+    assert context.runner_mode("Qwen-Image-2.1", "none", 2, 1, False, True) == context.RunnerMode(True, False, True)
     with pytest.raises(ValueError, match="block-causal attention needs Ulysses"):
-        context.runner_mode("Qwen-Image-2.1", "none", 1, 2, False)
+        context.runner_mode("Qwen-Image-2.1", "masked", 1, 2, False, True)
     with pytest.raises(ValueError, match="Ulysses or ring alone"):
         context.runner_mode("FLUX.1", "fixed", 2, 2, True)
     assert context.round_buckets((64, 128, 256), 3) == (66, 129, 258)
@@ -415,7 +416,7 @@ BAD_CP_INPUT = {
              "Request 0 (48x48)"),
     "ring + block-causal": (2, ["--model", "qwenimage21", "--ring", "2"], "needs Ulysses"),
     "ring x ulysses + masked": (4, ["--model", "h3", "--ring", "2", "--ulysses", "2"], "ring attention cannot take"),
-    "compile + any length": (2, ["--model", "qwenimage21", "--ulysses", "2", "--compile", "eager"],
+    "compile + any length": (2, ["--model", "qwenimage21", "--ulysses", "2", "--compile", "eager", "--cp-any-length"],
                              "needs static shapes"),
 }
 

@@ -86,3 +86,16 @@ def test_parallel_config_accepts_context_and_tensor_parallelism_together():
     assert config.context_parallel_config.ulysses_degree == 2 and config.tensor_parallel_config.tp_degree == 2
     with pytest.raises(ValueError, match="Either ring_degree or ulysses_degree"):  # stock's own checks still run
         diffusers.ContextParallelConfig()
+
+
+def test_exact_text_padding_refuses_another_transformer_and_installs_once(tiny_checkpoint):
+    from diffusers import QwenImage21Transformer2DModel
+
+    with pytest.raises(TypeError, match="needs a Qwen-Image-2.1 transformer .* got Linear"):
+        patches.exact_text_padding(torch.nn.Linear(1, 1))
+    transformer = QwenImage21Transformer2DModel.from_pretrained(tiny_checkpoint("qwenimage21"), subfolder="transformer")
+    handle = patches.exact_text_padding(transformer)
+    assert patches.exact_text_padding(transformer) is handle  # hooks once: a second set would drop rows twice
+    handle.remove()
+    assert not transformer._forward_pre_hooks and not transformer.pos_embed._forward_pre_hooks
+    assert patches.exact_text_padding(transformer) is not handle

@@ -16,8 +16,11 @@ def latents_from(pipe, embeds):
 
 @pytest.fixture(scope="module")
 def qwen_runs(tiny_checkpoint):
-    """For each Qwen family: latents from unpadded and from bucket-padded embeddings of the same prompts."""
+    """For each Qwen family: latents from unpadded and from bucket-padded embeddings of the same prompts, from the stock
+    pipeline as it is; for Qwen-Image-2.1 also from padded embeddings with our positions (`exact_text_padding`)."""
     from diffusers import DiffusionPipeline
+
+    from neuron_diffusers.parallel import patches
 
     runs = {}
     for family in ("qwenimage", "qwenimage21"):
@@ -29,6 +32,11 @@ def qwen_runs(tiny_checkpoint):
             embeds = adapter.encode(pipe, "a red fox in the snow", "blurry")
         padded = adapter.pad(embeds, (64,))
         runs[family] = adapter, embeds, padded, latents_from(pipe, embeds), latents_from(pipe, padded)
+        if family == "qwenimage21":
+            handle = patches.exact_text_padding(pipe.transformer)
+            runs["qwenimage21 exact"] = latents_from(pipe, padded), latents_from(pipe, embeds)
+            handle.remove()
+            runs["qwenimage21 removed"] = latents_from(pipe, padded)
     return runs
 
 
@@ -42,12 +50,46 @@ def test_padding_to_a_bucket_keeps_qwen_image_exact(qwen_runs):
     assert (padded_latents - unpadded_latents).abs().max().item() < 1e-5
 
 
-def test_qwen_image21_is_not_bucketed_because_padding_moves_the_image(qwen_runs):
-    """Stock Qwen-Image-2.1 places the image after every text position, padding included: if this starts to
-    pass exactly, upstream fixed it and the adapter can set `buckets`."""
-    adapter, _, _, unpadded_latents, padded_latents = qwen_runs["qwenimage21"]
-    assert adapter.buckets == ()
-    assert (padded_latents - unpadded_latents).abs().max().item() > 1e-4
+def test_qwen_image21_is_exact_padded_only_with_our_positions(qwen_runs):
+    """The sentinel: stock Qwen-Image-2.1 places the image after every text position, padding included, so padding
+    moves the image; with `exact_text_padding` it does not (and unpadded input is untouched). If stock alone starts to
+    give the unpadded latents, upstream changed the RoPE layout: `patches.exact_text_padding` can go."""
+    adapter, embeds, padded, unpadded_latents, stock_padded_latents = qwen_runs["qwenimage21"]
+    assert adapter.buckets == (64, 128, 256, 512, 1024)
+    assert padded["prompt_embeds"].shape[1] == 64 > embeds["prompt_embeds"].shape[1]
+    assert (stock_padded_latents - unpadded_latents).abs().max().item() > 1e-4
+    exact_padded, exact_unpadded = qwen_runs["qwenimage21 exact"]
+    assert (exact_padded - unpadded_latents).abs().max().item() < 1e-5
+    assert torch.equal(exact_unpadded, unpadded_latents)
+    assert torch.equal(qwen_runs["qwenimage21 removed"], stock_padded_latents), "remove() restores stock"
+
+
+def test_qwen_image21_buckets_equal_unpadded_on_every_layout(tiny_checkpoint):
+    """Default (bucketed) against `buckets=()` on the same two ranks, true CFG, KV cache on and off, a short prompt
+    and a long one: TP=2, CFG-parallel (cfg=2) and context-parallel (tp1 x ulysses2)."""
+    import rank_jobs
+
+    from neuron_diffusers import tiny
+    from neuron_diffusers.tools.spawn import run_on_cpu_ranks
+
+    prompts = ["a red fox", " ".join(["a red fox in the snow under a pale winter light"] * 12)]
+    reports = run_on_cpu_ranks(rank_jobs.qwenimage21_bucket_checks, 2, tiny_checkpoint("qwenimage21"),
+                               tiny.smallest_call("qwenimage21"), prompts, timeout_s=900)
+    expected = {(layout, cache, index) for layout in rank_jobs.QI21_LAYOUTS for cache in (True, False)
+                for index in range(len(prompts))}
+    for rank, report in enumerate(reports):
+        assert set(report) == expected
+        for case, result in report.items():
+            bucketed, unpadded = result["text_lengths"]["bucketed"], result["text_lengths"]["unpadded"]
+            assert bucketed and set(bucketed) <= {64, 128, 256, 512, 1024} and max(unpadded) < max(bucketed), case
+            assert result["output_diff"] < 1e-5, (rank, case, result)
+            if rank == 0:
+                assert result["image_diff"] < 1 / 255, (case, result)
+            if case[0] == "tp1 x ulysses2":  # padded: plain Ulysses, static shapes; unpadded: ulysses_anything
+                assert result["modes"] == {"bucketed": (False, False, True), "unpadded": (True, False, True)}
+    long_prompt = {length for report in reports for (_, _, index), result in report.items() if index == 1
+                   for length in result["text_lengths"]["bucketed"]}
+    assert max(long_prompt) >= 256, "the long prompt pads into a larger bucket"
 
 
 def test_pad_rejects_a_prompt_longer_than_every_bucket(qwen_runs):

@@ -2,7 +2,7 @@
 
 Each run costs a few seconds of imports, so only FLUX.1 runs tensor-parallel under torchrun (2 CPU ranks over
 gloo); the others run as one plain process, which the same script supports. Qwen-Image-2.1 runs with true CFG and
-`--compile aot_eager`, its opt-in length buckets included, so the compile path of the samples is exercised too.
+`--compile aot_eager`, its length buckets included, so the compile path of the samples is exercised too.
 """
 
 import os

@@ -176,15 +176,17 @@ class RunnerMode(NamedTuple):
         return self.ulysses_anything or self.ring_anything
 
 
-def runner_mode(display_name: str, text: str, ulysses: int, ring: int, any_length: bool) -> RunnerMode:
+def runner_mode(display_name: str, text: str, ulysses: int, ring: int, any_length: bool,
+                block_causal: bool = False) -> RunnerMode:
     """Which diffusers mode gives `display_name` the exact image at any prompt length, or a clear refusal.
 
     `text` is the adapter's `cp_text`: "fixed" (the pipeline pads to `max_sequence_length` itself), "masked"
-    (padding with masked positions makes lengths static), "none" (no exact padding exists: the `*_anything` modes).
+    (padding with masked positions makes lengths static), or "none" (no padding here: the `*_anything` modes).
+    `block_causal` (the adapter's `cp_block_causal`): ring attention cannot run it.
     """
     if ulysses * ring == 1:
         return RunnerMode(False, False, pad=True)
-    if text == "none" and ring > 1:
+    if block_causal and ring > 1:
         raise ValueError(f"{display_name}'s block-causal attention needs Ulysses: ring attention would apply one "
                          "rank's part of the mask to every rotated key block. Use --ulysses N without --ring.")
     if text == "masked" and ring > 1 and not any_length:

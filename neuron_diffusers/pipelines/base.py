@@ -138,8 +138,11 @@ class PipelineAdapter:
     stock_output_kwargs: dict = {"output_type": "latent"}
     #: How the text length becomes a multiple of the context-parallel degree (`parallel/context.runner_mode`):
     #: "fixed" (the pipeline pads to `max_sequence_length` itself, no mask), "masked" (padding with masked
-    #: positions: buckets rounded to multiples of the degree), "none" (no exact padding: diffusers' *_anything modes).
+    #: positions: buckets rounded to multiples of the degree).
     cp_text: str = "masked"
+    #: Whether attention is block-causal (Qwen-Image-2.1): context parallelism is then Ulysses only, and without
+    #: buckets the text is not padded at all (diffusers' `ulysses_anything`).
+    cp_block_causal: bool = False
 
     #: What the family verified of the class it drives (`for_pipeline`); None: the adapter's own, no image inputs.
     record: PipelineClass | None = None

@@ -1,11 +1,12 @@
 """QwenImage21Pipeline (Qwen-Image-2.1): Qwen3-VL hidden states plus a mask, true CFG with a negative prompt.
 
-Not bucketed: the transformer numbers RoPE positions along one joint sequence in which the target image follows
-*all* text positions, padding included, so padding shifts the image's positions and changes the image (measured:
-0.0025 max abs latent difference on the tiny model after 3 steps, with the padding masked out of attention). One
-prompt per call needs no padding, so the image matches stock exactly; the price is one graph per prompt length.
-For static shapes (Neuron), opt in with `load_pipeline(..., buckets=(64, 128, 256, 512, 1024))`: the image then
-matches what stock makes of that prompt batched with longer ones (stock right-pads a batch the same way).
+Bucketed exactly, like Qwen-Image: the embeddings are right-padded (mask 0) to a length bucket, so every prompt of a
+bucket shares one compiled graph, and the image is the unpadded one (tested, KV cache on and off, CFG-parallel and
+under context parallelism). Stock masks the padded rows out as keys but numbers RoPE positions along the joint
+sequence with them, so the image block would start after the padding; `patches.exact_text_padding`, installed on
+each rank's transformer (`load_denoiser`), numbers the sequence without the padded rows instead. The encoder does
+not truncate: a prompt of 1024 tokens or more is refused by the buckets (pass larger `buckets=` to `load_pipeline`,
+the rotary table holds 8192 positions for text and image sides together).
 """
 
 from .base import StockPipelineAdapter
@@ -16,9 +17,10 @@ class QwenImage21Adapter(StockPipelineAdapter):
     text_components = ("text_encoder",)
     shared_components = ("processor",)  # the pipeline's `__init__` tokenizes its chat template
     guidance_kwarg = "true_cfg_scale"
-    #: Under context parallelism (`parallel/context_qwenimage21.py`): unbucketed, the joint sequence's length follows
-    #: the prompt, so Ulysses runs in `ulysses_anything`; opted-in buckets pad it with masked positions instead.
-    cp_text = "none"
+    buckets = (64, 128, 256, 512, 1024)
+    #: Under context parallelism (`parallel/context_qwenimage21.py`) the buckets pad the joint sequence with masked
+    #: positions (rounded to the degree); with `buckets=()` its length follows the prompt: `ulysses_anything`.
+    cp_block_causal = True
 
     def split_lengths(self, checkpoint, call_kwargs: dict) -> dict[str, int]:
         """The target image's tokens (one per 16 x 16 pixels); the text is a bucket, rounded to the degree."""
@@ -30,6 +32,14 @@ class QwenImage21Adapter(StockPipelineAdapter):
     #: block numbers its rows and columns from -(side - side // 2), so a side above 2048 latent tokens would index past
     #: them and wrap around into the positive positions: a silently wrong image, not an error.
     rope_negative_positions = 1024
+
+    def load_denoiser(self, checkpoint, transformer, torch_dtype, device, decodes: bool, helps_decode: bool = False):
+        """The stock denoiser, its transformer numbering RoPE positions as if the text were not padded."""
+        from ..parallel import patches  # here: patches imports `families`, which imports this module
+
+        pipe = super().load_denoiser(checkpoint, transformer, torch_dtype, device, decodes, helps_decode)
+        patches.exact_text_padding(pipe.transformer)
+        return pipe
 
     def vae_scale_factor(self, vae_config: dict) -> int:
         return 16  # fixed in the pipeline's `__init__`
