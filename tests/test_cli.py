@@ -201,6 +201,7 @@ BAD_INPUT = {
                         "Unknown torch.compile backend 'no-such'"),
     "guidance for a distilled model": (lambda t, c: ["--prompt", "a fox", "--model", "h3", "--guidance", "3"],
                                        "guidance-distilled: drop --guidance"),
+    "plan the family lacks": (lambda t, c: ["--prompt", "a fox", "--plan", "lean"], "FLUX.1 has no 'lean' plan"),
     "parallel VAE it cannot split": (lambda t, c: ["--prompt", "a fox", "--model", _unsplittable_vae(t, c),
                                                    "--parallel-vae"],
                                      "parallel_vae does not support AutoencoderKLWan"),
