@@ -64,7 +64,7 @@ class CollectiveCounter(TorchDispatchMode):
 DEPTH_FIELDS = ("num_layers", "num_single_layers", "num_refiner_layers")
 
 
-def _call(model, args, kwargs):
+def forward_call(model, args, kwargs):
     """One forward on the captured call; a per-layer KV cache in it (Qwen-Image-2.1's first step fills one) is
     replaced by a fresh one sized for this model, so every forward does the same work at any depth."""
     fresh = {key: type(value)(len(model.transformer_blocks)) if hasattr(value, "layer_caches") else value
@@ -75,9 +75,9 @@ def _call(model, args, kwargs):
 def _count(model, args, kwargs) -> dict:
     counter = CollectiveCounter()
     with torch.no_grad():
-        _call(model, args, kwargs)  # warm-up: lazy buffers, allocator
+        forward_call(model, args, kwargs)  # warm-up: lazy buffers, allocator
         with counter:
-            _call(model, args, kwargs)
+            forward_call(model, args, kwargs)
     return {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
 
 
@@ -88,7 +88,7 @@ def _median_seconds(models: dict, args, kwargs, repeats: int) -> dict[str, float
         for _ in range(repeats):
             for label, model in models.items():
                 start = time.perf_counter()
-                _call(model, args, kwargs)
+                forward_call(model, args, kwargs)
                 times[label].append(time.perf_counter() - start)
     return {label: sorted(values)[len(values) // 2] for label, values in times.items()}
 
