@@ -77,7 +77,7 @@ def markdown(rows: list[dict]) -> str:
                       "model on every rank (per rank = total)."]
     if any(row["ours_plan"] != "default" for row in rows):
         lines += ["", "\"lean\": the family's lean plan (`plan=\"lean\"`), which holds less per rank for more "
-                      "collectives; its default plan is stock's (docs/memory.md)."]
+                      "collectives per forward; its default plan is stock's, with the fewest."]
     return "\n".join(lines) + "\n"
 
 
