@@ -10,10 +10,11 @@ factors are the released ones) and its inputs widened to the full-size model's (
 
 The random weights are saved once into a temporary checkpoint, so every rank loads the way `load_pipeline` does:
 our plans and diffusers' own stream each rank's slice (`from_pretrained(parallel_config=...)`), and "one process" is
-the whole model, one copy per rank, every rank running it alone (as `bench cp` does), so each variant keeps all N
-cores busy. Each rank runs one thread (as `torchrun` sets it). After one warm-up forward of each, the variants run in
-alternation, `--repeats` times, and the median is reported: load from other processes hits all of them alike. Output
-of each TP variant is compared with the one-process output (max abs difference). What it prints is measured.
+the whole model on rank 0 alone while the other ranks wait (one copy: FLUX.2's is about 9 GiB of float32). Each rank
+runs one thread (as `torchrun` sets it), so one process gets one core, as each TP rank does. After one warm-up
+forward of each, the variants run in alternation, `--repeats` times, and the median is reported: load from other
+processes hits all of them alike. Output of each TP variant is compared with the one-process output (max abs
+difference). What it prints is measured.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from diffusers import TensorParallelConfig
 
 from ... import families, tiny
 from ...checkpoint import resolve
+from ...cli import positive_int
 from ...distributed import init_distributed
 from ...parallel.patches import stock_plan, using_plan
 from ..plan.cases import capture_first_call, predictions
@@ -59,14 +61,16 @@ def _public(config) -> dict:
 
 
 def bench_config(family: str, blocks: int, width: str) -> dict:
-    """`family`'s transformer config at `width` ("full": the released default config; "tiny": the tiny checkpoint's)
-    with `blocks` blocks of each kind."""
-    if width == "full":
-        config = _public(meta_transformer(family).module.config)
-    else:
-        cls = families.get(family).model_class()
-        config = _public(cls.load_config(tiny.cached_tiny(family), subfolder="transformer"))
-    return {**config, **{field: blocks for field in DEPTH_FIELDS if field in config}}
+    """`family`'s transformer config at `width` ("full": the class's default config, the released widths; "tiny": the
+    tiny checkpoint's) with `blocks` blocks of each kind.
+
+    The tiny checkpoint's switches (booleans such as `guidance_embeds`) win at either width: the captured call feeds
+    what its pipeline feeds (FLUX.1-dev's guidance; the class default is schnell's, without a guidance embedder)."""
+    tiny_config = _public(families.get(family).model_class().load_config(tiny.cached_tiny(family),
+                                                                          subfolder="transformer"))
+    config = _public(meta_transformer(family).module.config) if width == "full" else tiny_config
+    switches = {key: value for key, value in tiny_config.items() if isinstance(value, bool)}
+    return {**config, **switches, **{field: blocks for field in DEPTH_FIELDS if field in config}}
 
 
 def widen(kwargs: dict, config: dict, seed: int = 0) -> dict:
@@ -109,10 +113,6 @@ def capture_call(family: str, tokens: int, text: int) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int) -> dict:
     torch.set_num_threads(1)  # as torchrun does: the ranks share the host's cores
     tp = dist.get_world_size()
@@ -125,18 +125,25 @@ def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int)
         with using_plan(cls, plan):
             models[label] = cls.from_pretrained(folder, subfolder="transformer",
                                                 parallel_config=TensorParallelConfig(mesh=mesh)).eval()
-    models["one process"] = cls.from_pretrained(folder, subfolder="transformer").eval()
+    alone = dist.get_rank() == 0
+    models["one process"] = cls.from_pretrained(folder, subfolder="transformer").eval() if alone else None
     seconds = {label: [] for label in models}
     outputs = {}
     with torch.no_grad():
         for label, model in models.items():  # warm-up: lazy buffers, allocator
-            outputs[label] = predictions(forward_call(model, args, kwargs))
+            dist.barrier()
+            if model is not None:
+                outputs[label] = predictions(forward_call(model, args, kwargs))
         for _ in range(repeats):
             for label, model in models.items():
-                dist.barrier()  # every rank starts each forward together
-                start = time.perf_counter()
-                forward_call(model, args, kwargs)
-                seconds[label].append(time.perf_counter() - start)
+                dist.barrier()  # every rank starts each forward together (the others wait out one process's)
+                if model is not None:
+                    start = time.perf_counter()
+                    forward_call(model, args, kwargs)
+                    seconds[label].append(time.perf_counter() - start)
+        dist.barrier()
+    if not alone:
+        return {}
     reference = outputs["one process"]
     if not all(torch.isfinite(out).all() for out in reference):
         raise RuntimeError(f"{record.display_name}'s one-process output is not finite on the captured call: a timing "
@@ -151,6 +158,8 @@ def measure_family(family: str, *, tp: int = 2, blocks: int = 1, tokens: int = 4
                    repeats: int = 3, width: str = "full") -> dict:
     """One family's figures: seconds per forward of each plan and of one process (all samples and the median), the
     ideal (one process / tp), and the ratios."""
+    if tp < 2:
+        raise ValueError(f"--tp {tp}: tensor parallelism needs at least 2 ranks (one process is measured anyway).")
     config = bench_config(family, blocks, width)
     args, kwargs = capture_call(family, tokens, text)
     kwargs = widen(kwargs, config)
@@ -160,7 +169,7 @@ def measure_family(family: str, *, tp: int = 2, blocks: int = 1, tokens: int = 4
         cls.from_config(config).save_pretrained(Path(folder) / "transformer")
         rank0 = run_on_cpu_ranks(_rank_job, tp, family, folder, args, kwargs, repeats,
                                  timeout_s=7200.0)[0]
-    median = {label: _median(values) for label, values in rank0["seconds"].items()}
+    median = {label: statistics.median(values) for label, values in rank0["seconds"].items()}
     ideal = median["one process"] / tp
     return {
         "family": family, "name": families.get(family).display_name, "width": width, "tp": tp,
@@ -222,11 +231,12 @@ def run(families_: list[str], out: Path | None, **options) -> list[dict]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", action="append", choices=FAMILIES, help="default: all four image families")
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--blocks", type=int, default=1, help="blocks of each kind (default 1)")
-    parser.add_argument("--tokens", type=int, default=4096, help="image tokens, a square (4096: 1024 x 1024)")
-    parser.add_argument("--text", type=int, default=512, help="text tokens (default 512)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed forwards of each variant, after one warm-up")
+    parser.add_argument("--tp", type=positive_int, default=2)
+    parser.add_argument("--blocks", type=positive_int, default=1, help="blocks of each kind (default 1)")
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="image tokens, a square (4096: 1024 x 1024)")
+    parser.add_argument("--text", type=positive_int, default=512, help="text tokens (default 512)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed forwards of each variant, after one warm-up")
     parser.add_argument("--width", choices=("full", "tiny"), default="full",
                         help="full: the released widths; tiny: the tiny checkpoints' (a quick check of the command)")
     parser.add_argument("--out", type=Path, default=None, help="folder for step.json / .md / .png")
