@@ -32,6 +32,8 @@ COMMANDS = {
     "bench encoder": ("tools.bench.encoder", "peak RSS of the encoding rank vs the others vs a stock pipeline"),
     "bench collectives": ("tools.bench.collectives", "collectives per forward counted at run time; step time vs "
                                                      "stock"),
+    "bench step": ("tools.bench.step", "one transformer forward at real width and token count: our plans vs stock TP "
+                                       "vs one process, beside the ideal (one process / N)"),
     "bench compile": ("tools.bench.compile", "recompiles over a prompt set, stock vs ours; cold compile times"),
     "bench cfg": ("tools.bench.cfg", "step time of CFG-parallel vs serial CFG on the same ranks; forwards"),
     "bench cache": ("tools.bench.cache", "step time and fraction skipped vs threshold at TP=2, beside no cache"),

@@ -56,12 +56,20 @@ class Family:
 
     @property
     def plan_module(self) -> ModuleType:
-        """`tp_plans/<name>.py`: `PLAN` (our plan) and `MODEL_CLASS` (the diffusers class it is written for)."""
+        """`tp_plans/<name>.py`: `PLAN` (our default plan), `LEAN_PLAN` where memory trades against collectives,
+        and `MODEL_CLASS` (the diffusers class they are written for)."""
         return importlib.import_module(f"{__package__}.tp_plans.{self.name}")
 
     @property
     def plan(self) -> dict:
+        """The default plan: the fewest collectives per forward, then the least memory per rank."""
         return self.plan_module.PLAN
+
+    @property
+    def plan_variants(self) -> dict[str, dict]:
+        """Our named plans: "default", and "lean" where a family holds less per rank for more collectives."""
+        lean = getattr(self.plan_module, "LEAN_PLAN", None)
+        return {"default": self.plan, **({"lean": lean} if lean is not None else {})}
 
     @property
     def model_class_name(self) -> str:

@@ -80,6 +80,7 @@ from .outputs import (
 from .parallel import context
 from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import check_loras, parse_lora_option
+from .parallel.plan_variants import VARIANTS, variant_plan
 from .parallel.vae import resolve_parallel_vae
 from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs
@@ -170,6 +171,8 @@ class JobPlan:
     ulysses: int = 1
     ring: int = 1
     cp_any_length: bool = False
+    #: `--plan`: the tensor-parallel plan's name (`parallel/plan_variants.py`), recorded with every output.
+    tp_plan: str = "default"
     mesh_order: str = "ulysses-inner"
 
     @property
@@ -354,7 +357,7 @@ def check_out_dir(out_dir: Path) -> None:
 
 def settings_text(request: Request, *, model: str, pipeline: str, tp: int, dp: int, cfg: int, dtype: str,
                   loras: list, key: dict, cache: str | None = None, ulysses: int = 1,
-                  ring: int = 1) -> dict[str, str]:
+                  ring: int = 1, plan: str = "default") -> dict[str, str]:
     """The PNG text chunks (MP4 metadata for video): enough to regenerate the output, and its settings key (what
     resume compares). The server (`serve/`) writes the same chunks, so its images and the job's say the same."""
     values = {
@@ -368,6 +371,7 @@ def settings_text(request: Request, *, model: str, pipeline: str, tp: int, dp: i
         "model": model,
         "pipeline": pipeline,
         "tp": tp,
+        "plan": plan,
         "ulysses": ulysses,
         "ring": ring,
         "dp": dp,
@@ -407,6 +411,7 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     checkpoint = resolve(args.model, args.pipeline)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
+    variant_plan(checkpoint.family, args.plan)
     adapter = checkpoint.adapter
     if cache is not None:
         # Tried on the meta-device transformer (no weights), with the blocks `--compile` would compile.
@@ -490,7 +495,7 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
                    settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=pairs,
                    true_cfg=true_cfg, notes=notes, keys=keys, done=done, job_digest=job_digest, loras=lora_records,
                    cache=cache, ulysses=args.ulysses, ring=args.ring, cp_any_length=args.cp_any_length,
-                   mesh_order=args.mesh_order, parallel_vae=parallel_vae)
+                   mesh_order=args.mesh_order, parallel_vae=parallel_vae, tp_plan=args.plan)
 
 
 def _no_pairs_note(adapter, world_size: int, tp: int, cp: int = 1) -> str:
@@ -614,7 +619,7 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
     """Load, compile, and generate this TP group's `work`; returns the saved images' records and the phases."""
     pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype),
                          loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache,
-                         cp_any_length=plan.cp_any_length, parallel_vae=plan.parallel_vae)
+                         cp_any_length=plan.cp_any_length, parallel_vae=plan.parallel_vae, plan=plan.tp_plan)
     compile_start = time.perf_counter()
     if compile_backend:
         compile_repeated_blocks(pipe, backend=compile_backend)
@@ -645,7 +650,7 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
                 pipe.adapter.save(outputs[0], path, text=settings_text(
                     request, model=plan.checkpoint.source, pipeline=plan.checkpoint.pipeline_class, tp=plan.tp, dp=dp,
                     cfg=2 if with_partner else 1, dtype=plan.dtype, loras=plan.loras, key=plan.keys[request.index],
-                    cache=plan.settings.get("cache"), ulysses=plan.ulysses, ring=plan.ring))
+                    cache=plan.settings.get("cache"), ulysses=plan.ulysses, ring=plan.ring, plan=plan.tp_plan))
                 images.append({**asdict(request), "file": path.name,
                                "seconds": round(time.perf_counter() - start, 4),
                                "save_seconds": round(time.perf_counter() - save_start, 4), "rank": dist.get_rank(),
@@ -711,6 +716,7 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
         "checkpoint": str(plan.checkpoint.path),
         "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size},
         "dtype": plan.dtype,
+        "plan": plan.tp_plan,
         "loras": plan.loras,
         "parallel_vae": plan.parallel_vae,
         "neuron_diffusers": __version__,
@@ -771,6 +777,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp", type=positive_int, default=None,
                         help="tensor-parallel degree (default: all ranks; with --cfg-parallel half of them)")
+    parser.add_argument("--plan", choices=VARIANTS, default="default",
+                        help="tensor-parallel plan: default (no more collectives per forward than stock, then the "
+                             "least memory), lean (less memory per rank for more collectives: Qwen-Image-2.1) or "
+                             "stock (diffusers' own)")
     parser.add_argument("--cfg-parallel", action="store_true",
                         help="true CFG (negative prompt, scale > 1): compute cond and uncond on two TP groups at once; "
                              "needs a multiple of 2 x tp ranks. Requests without true CFG use the pairs as data "

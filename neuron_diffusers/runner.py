@@ -53,6 +53,8 @@ from .parallel import context
 from .parallel.cache import GroupCache, check_cache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
 from .parallel.lora import FusedLoras, check_loras
+from .parallel.patches import record_tp_plan, using_plan
+from .parallel.plan_variants import variant_plan
 from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
 from .pipelines.base import SizeLimits, check_seeds, check_text
@@ -402,6 +404,7 @@ def load_pipeline(
     cache=None,
     cp_any_length: bool = False,
     parallel_vae: bool | None = None,
+    plan: str = "default",
 ) -> TPPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
@@ -423,6 +426,10 @@ def load_pipeline(
     folder's index names. A class built on another transformer, or needing a component the folder lacks, is refused
     before any weight is read. Ranks without a VAE keep its small non-encoder/decoder state for image inputs.
 
+    `plan` names the tensor-parallel plan: "default" (ours: no more collectives per forward than stock, then the least
+    memory per rank), "lean" (less memory for more collectives, where a family trades them: Qwen-Image-2.1) or
+    "stock" (diffusers' own); a name the family lacks is refused before any weight is read (`plan_variants.py`).
+
     `cache` is a diffusers step-cache config (`FirstBlockCacheConfig`, `TaylorSeerCacheConfig`, `MagCacheConfig`),
     installed with decisions shared by the image group (`parallel/cache.py`); it is tried on the meta-device transformer
     before any weight is read.
@@ -435,6 +442,7 @@ def load_pipeline(
     is read.
     """
     checkpoint = resolve(model, pipeline_class)
+    tp_plan = variant_plan(checkpoint.family, plan)
     if cache is not None:
         check_cache(cache, checkpoint.meta("transformer"))
     loras = check_loras(checkpoint, loras)
@@ -459,9 +467,11 @@ def load_pipeline(
                                           dim_size(mesh, "tp") * degree)
     times = PhaseTimes()
     with times.phase("load transformer (sharded)"):
-        transformer = checkpoint.transformer_class().from_pretrained(
-            checkpoint.path, subfolder="transformer", dtype=torch_dtype, **parallel
-        )
+        with using_plan(checkpoint.transformer_class(), tp_plan):
+            transformer = checkpoint.transformer_class().from_pretrained(
+                checkpoint.path, subfolder="transformer", dtype=torch_dtype, **parallel
+            )
+        record_tp_plan(transformer, tp_plan)
         if not parallel:
             transformer.to(device)
     if cache is not None:

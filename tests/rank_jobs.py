@@ -131,12 +131,14 @@ def spine_checks(checkpoints: dict, calls: dict) -> dict:
 
 
 def plan_checks(checkpoints: dict, calls: dict, checkpoint_missing_a_key) -> dict:
-    """Our plans for every family at TP=2 and TP=4 (on 4 ranks), and the checks made before any weight is read."""
+    """Our plans for every family at TP=2 and TP=4 (on 4 ranks): the default one (the class default once imported)
+    under `report[family, tp]`, each other variant (`lean`) under `report[(family, variant), tp]`; and the checks
+    made before any weight is read."""
     import safetensors
     from diffusers import TensorParallelConfig
 
     import neuron_diffusers as nd
-    from neuron_diffusers import stock_plan, using_plan
+    from neuron_diffusers import families, using_plan
 
     report = {}
     for tp in (2, 4):
@@ -145,9 +147,15 @@ def plan_checks(checkpoints: dict, calls: dict, checkpoint_missing_a_key) -> dic
             cls, model = _load_tp(checkpoint, mesh["tp"])
             report[family, tp] = {
                 "diff": _max_diff(model, calls[family]),
-                "ours": cls._tp_plan is not stock_plan(cls),
+                "ours": cls._tp_plan is families.get(family).plan,
                 **_shard_report(model, cls._tp_plan, tp),
             }
+            for variant, plan in families.get(family).plan_variants.items():
+                if variant != "default":
+                    with using_plan(cls, plan):
+                        _, model = _load_tp(checkpoint, mesh["tp"])
+                    report[(family, variant), tp] = {"diff": _max_diff(model, calls[family]), "ours": True,
+                                                     **_shard_report(model, plan, tp)}
             if family == "h3":
                 report["h3_heads", tp] = {m.heads for m in model.modules() if type(m).__name__ == "MiniMaxH3Attention"}
 
@@ -269,6 +277,14 @@ def runner_checks(checkpoints: dict, call_kwargs: dict) -> dict:
         report[family] = result
         del pipe, outputs
         gc.collect()
+    if "qwenimage21" in checkpoints:  # the lean plan by name: modulation sharded too, same image
+        from torch.distributed.tensor import DTensor
+
+        pipe = nd.load_pipeline(checkpoints["qwenimage21"], mesh, plan="lean")
+        outputs = pipe.generate("a red fox in the snow", seed=0, **call_kwargs["qwenimage21"])
+        modulation = pipe.adapter.transformer_of(pipe.pipe).modulation[1].weight
+        report["qwenimage21", "lean"] = {"output": None if outputs is None else _as_arrays(outputs[0]),
+                                         "modulation_sharded": isinstance(modulation, DTensor)}
     return report
 
 

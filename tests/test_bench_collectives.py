@@ -15,7 +15,9 @@ def measured():
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_runtime_counts_match_the_static_plan_report(measured, family):
     checkpoint = str(tiny.cached_tiny(family))
-    for plan in ("ours", "stock"):
+    plans = [plan for plan in ("default", "lean", "stock") if plan in measured["families"][family]]
+    assert ("lean" in plans) == (family == "qwenimage21")
+    for plan in plans:
         figures = measured["families"][family][plan]
         if figures is None:  # no stock plan (MiniMax-H3)
             assert plan == "stock" and family == "h3"

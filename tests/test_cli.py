@@ -63,6 +63,7 @@ def test_tp2_jsonl_matches_single_process_with_per_line_seeds(tmp_path, prompts_
     assert settings[1]["negative_prompt"] == "blurry" and settings[0]["tp"] == "2" and settings[0]["dp"] == "1"
     assert {"prompt", "steps", "size", "guidance", "model", "neuron_diffusers"} <= settings[0].keys()
     summary = json.loads((tp2 / "summary.json").read_text())
+    assert settings[0]["plan"] == summary["plan"] == "default"  # the tensor-parallel plan, by name
     assert summary["mesh"]["shape"] == [1, 2] and summary["generated"] == 3
     assert [image["file"] for image in summary["images"]] == names
     phases = summary["phases_per_tp_group"][0]
@@ -201,6 +202,7 @@ BAD_INPUT = {
                         "Unknown torch.compile backend 'no-such'"),
     "guidance for a distilled model": (lambda t, c: ["--prompt", "a fox", "--model", "h3", "--guidance", "3"],
                                        "guidance-distilled: drop --guidance"),
+    "plan the family lacks": (lambda t, c: ["--prompt", "a fox", "--plan", "lean"], "FLUX.1 has no 'lean' plan"),
     "parallel VAE it cannot split": (lambda t, c: ["--prompt", "a fox", "--model", _unsplittable_vae(t, c),
                                                    "--parallel-vae"],
                                      "parallel_vae does not support AutoencoderKLWan"),

@@ -1,4 +1,5 @@
-"""Our plans (registered on import) for all five families: TP=2 and TP=4 equal one process."""
+"""Our plans (registered on import) for all five families, and Qwen-Image-2.1's lean one: TP=2 and TP=4 equal one
+process."""
 
 import shutil
 
@@ -31,11 +32,12 @@ def plan_report(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", [*tiny.FAMILIES, ("qwenimage21", "lean")])
 def test_our_plan_matches_single_process(plan_report, family, tp):
     for rank, report in enumerate(plan_report):
         result = report[family, tp]
-        assert result["ours"], "the stock plan was used"
+        assert result["ours"], "the class default is not our plan"
+        assert result["planned"] > 0
         assert result["diff"] < 1e-5, f"rank {rank}: max abs diff {result['diff']}"
         assert result["wrong"] == [], f"rank {rank}: {result['wrong'][:5]}"
 

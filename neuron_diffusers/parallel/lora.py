@@ -454,7 +454,7 @@ class FusedLoras:
         if not isinstance(weight, DTensor) or all(isinstance(p, Replicate) for p in weight.placements):
             return None, None, None
         if self._specs is None:
-            plan = patches.tp_plan_of(type(self.transformer)) if self._plan is None else self._plan
+            plan = patches.tp_plan_of(self.transformer) if self._plan is None else self._plan
             self._specs = patches.shard_specs(self.transformer, plan, weight.device_mesh.size(), whole_plan=False)
         placement, spec = weight.placements[0], self._specs.get(f"{name}.weight")
         if len(weight.placements) != 1 or not isinstance(placement, Shard) or spec is None or spec.dim != placement.dim:

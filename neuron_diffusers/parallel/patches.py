@@ -19,7 +19,8 @@ slice-streaming loader) that we build on rather than copy. These gaps are closed
 5. Attention processors that split heads with `attn.heads` (MiniMax-H3's, HunyuanVideo's, the stock
    `AttnProcessor2_0`) see the rank's local head count once `to_q` is sharded.
 6. The class attributes stock reads plans and repeated blocks from (`_tp_plan`, `_repeated_blocks`) are
-   read and written through `tp_plan_of` / `set_tp_plan` / `compile_blocks`, so no other module names them.
+   read and written through `tp_plan_of` / `using_plan` / `record_tp_plan` / `compile_blocks`, so no other module
+   names them.
 7. A LoRA factor must be sliced exactly like the weight shard it updates (`parallel/lora.py`): `local_shard` is the
    loader's own slicing (`_local_shard`, packed blocks included).
 8. Image inputs on ranks without a VAE (`pipelines/image_inputs.py`): the posterior every diffusers KL VAE's
@@ -643,9 +644,16 @@ def context_parallel_config_of(model: torch.nn.Module):
     return getattr(config, "context_parallel_config", None)
 
 
-def tp_plan_of(cls) -> dict | None:
-    """The plan `from_pretrained(parallel_config=TensorParallelConfig(...))` shards `cls` with."""
-    return cls._tp_plan
+def tp_plan_of(cls_or_model) -> dict | None:
+    """The plan `from_pretrained(parallel_config=TensorParallelConfig(...))` shards a class with, or the plan a model
+    was sharded with (`record_tp_plan`; else its class's)."""
+    return cls_or_model._tp_plan
+
+
+def record_tp_plan(model: torch.nn.Module, plan: dict) -> None:
+    """Remember on `model` the plan it was sharded with (`using_plan` restores the class default after the load), so
+    later readers see that plan: stock `enable_parallelism` reads `self._tp_plan`, LoRA fusing `tp_plan_of`."""
+    model._tp_plan = plan
 
 
 def cp_plan_of(cls) -> dict | None:

@@ -1,11 +1,16 @@
-"""Tensor-parallel plan for Qwen-Image-2.1 (`QwenImage21Transformer2DModel`): stock diffusers 0.42.1 plan + the rest.
+"""Tensor-parallel plans for Qwen-Image-2.1 (`QwenImage21Transformer2DModel`): stock by default, `LEAN_PLAN` by name.
 
 2.1's blocks hold no modulation of their own: one shared `modulation` (`Sequential(SiLU,
 Linear(4096 -> 4 x 4096))`) computes every block's scales and gates once per forward. Stock leaves
 it, `norm_out`, the text projection `txt_in` and the timestep MLP replicated: 1.9% of the model,
-which at TP=8 is still 13% over the ideal per-rank size (1.88 GiB bf16 per rank against 1.66 GiB).
-Sharding the two modulation Linears alone would leave 0.73% replicated, just over the 5% budget,
-so the text projection is sharded too.
+which at TP=8 is 13% over the ideal per-rank size (1.88 GiB bf16 per rank against 1.66 GiB).
+
+Here memory and speed trade. A block is single-stream and sequential (attention, then MLP), so stock's
+two all-reduces per block cannot be coalesced, and sharding anything more costs collectives: the
+modulation needs one all-gather, the text projection one all-reduce. 0.19 GiB per rank is 0.8% of a
+24 GiB core, while two more collectives made a step 1.10-1.23x stock's (`bench collectives --depth
+full`, CPU). So `PLAN`, the default, is stock's; `LEAN_PLAN` (`load_pipeline(..., plan="lean")`,
+`generate --plan lean`) holds 1.69 GiB per rank for 64 + 1 all-reduces and 1 all-gather per forward:
 
 - `modulation.1` and `norm_out.linear` use `GatheredColwiseParallel(hoist_from="time_text_embed")`
   (both read `silu(temb)`; see `styles.py`); the blocks' `chunk`s and `_select_modulation_rows` read
@@ -16,23 +21,16 @@ so the text projection is sharded too.
 
 All sharded dimensions are multiples of `inner_dim` = heads x head_dim, so they divide like the heads.
 
-Per rank at TP=8 (bf16): stock 1.88 GiB, ours 1.69 GiB, ideal (total / 8) 1.66 GiB -> 1.018 x ideal.
+Per rank at TP=8 (bf16): `PLAN` 1.88 GiB (64 all-reduces), `LEAN_PLAN` 1.69 GiB (65 all-reduces,
+1 all-gather), ideal (total / 8) 1.66 GiB.
 """
 
 from .styles import GatheredColwiseParallel
 
 MODEL_CLASS = "QwenImage21Transformer2DModel"
 
-# Left replicated on purpose (shares of the full-size default config's parameters):
-# - time_text_embed.timestep_embedder (0.25%): an MLP on a [batch + 1, dim] vector; the budget is
-#   met without it.
-# - img_in (64 -> 4096) and proj_out (4096 -> 64): 0.007% together.
-# - txt_in.text_norm (RMSNorm over the replicated 4096-wide text input) and the attention QK-norms
-#   (RMSNorm over head_dim, applied per head after the heads are split, so every rank needs the
-#   whole weight): <0.001%. The block LayerNorms have no parameters, and 2.1 has no biases.
-# Everything left replicated: 0.26% of the model.
+# Stock diffusers 0.42.1 `QwenImage21Transformer2DModel._tp_plan`, verbatim: the fewest collectives.
 PLAN = {
-    # --- stock diffusers 0.42.1 `QwenImage21Transformer2DModel._tp_plan`, verbatim ---
     "transformer_blocks.*.attn.to_q": "colwise",
     "transformer_blocks.*.attn.to_k": "colwise",
     "transformer_blocks.*.attn.to_v": "colwise",
@@ -40,7 +38,18 @@ PLAN = {
     "transformer_blocks.*.img_mlp.proj": "colwise",
     "transformer_blocks.*.img_mlp.gate_layer": "colwise",
     "transformer_blocks.*.img_mlp.out": "rowwise",
-    # --- added by neuron_diffusers ---
+}
+
+# Left replicated by LEAN_PLAN on purpose (shares of the full-size default config's parameters):
+# - time_text_embed.timestep_embedder (0.25%): an MLP on a [batch + 1, dim] vector; the budget is
+#   met without it.
+# - img_in (64 -> 4096) and proj_out (4096 -> 64): 0.007% together.
+# - txt_in.text_norm (RMSNorm over the replicated 4096-wide text input) and the attention QK-norms
+#   (RMSNorm over head_dim, applied per head after the heads are split, so every rank needs the
+#   whole weight): <0.001%. The block LayerNorms have no parameters, and 2.1 has no biases.
+# Everything left replicated: 0.26% of the model.
+LEAN_PLAN = {
+    **PLAN,
     # Shared AdaLN modulation: temb -> [mod1.scale, mod1.gate, mod2.scale, mod2.gate], needed whole.
     # Both computed right after `time_text_embed` and gathered in one call.
     "modulation.1": GatheredColwiseParallel(hoist_from="time_text_embed"),  # 0.94%

@@ -1,12 +1,12 @@
-"""Collectives per transformer forward, counted at run time (calls and bytes), and CPU step time, ours vs stock TP.
+"""Collectives per transformer forward, counted at run time (calls and bytes), and CPU step time, our plans vs stock TP.
 
 `plan report` counts collectives statically from a plan; this runs one real forward of each family's tiny
 transformer on CPU ranks and counts what actually goes over the wire, with a dispatch mode that sees every
 collective op whichever way it is issued (functional collectives, `torch.distributed` calls, DTensor
 redistributes). Per-collective latency dominates small collectives, so calls matter as much as bytes. Step time
-is the median of a few forwards after a warm-up one, on the same inputs, with our plan and with diffusers' own,
-timed in alternation, one thread per rank; `--depth full` gives the tiny-width transformers the real models' block
-counts.
+is the median of a few forwards after a warm-up one, on the same inputs, with each of our plans (`default`, and
+`lean` where a family has one) and with diffusers' own (`stock`), timed in alternation, one thread per rank;
+`--depth full` gives the tiny-width transformers the real models' block counts.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ... import tiny
 from ...checkpoint import resolve
 from ...distributed import init_distributed
-from ...parallel.patches import stock_plan, tp_plan_of, using_plan
+from ...families import by_model_class
+from ...parallel.patches import stock_plan, using_plan
 from ..plan.cases import reference_call
 from ..spawn import run_on_cpu_ranks
 
@@ -64,7 +65,7 @@ class CollectiveCounter(TorchDispatchMode):
 DEPTH_FIELDS = ("num_layers", "num_single_layers", "num_refiner_layers")
 
 
-def _call(model, args, kwargs):
+def forward_call(model, args, kwargs):
     """One forward on the captured call; a per-layer KV cache in it (Qwen-Image-2.1's first step fills one) is
     replaced by a fresh one sized for this model, so every forward does the same work at any depth."""
     fresh = {key: type(value)(len(model.transformer_blocks)) if hasattr(value, "layer_caches") else value
@@ -75,20 +76,20 @@ def _call(model, args, kwargs):
 def _count(model, args, kwargs) -> dict:
     counter = CollectiveCounter()
     with torch.no_grad():
-        _call(model, args, kwargs)  # warm-up: lazy buffers, allocator
+        forward_call(model, args, kwargs)  # warm-up: lazy buffers, allocator
         with counter:
-            _call(model, args, kwargs)
+            forward_call(model, args, kwargs)
     return {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
 
 
 def _median_seconds(models: dict, args, kwargs, repeats: int) -> dict[str, float]:
-    """Forwards timed in alternation, ours then stock, so load from other processes hits both alike."""
+    """Forwards timed in alternation, one of each plan in turn, so load from other processes hits all alike."""
     times = {label: [] for label in models}
     with torch.no_grad():
         for _ in range(repeats):
             for label, model in models.items():
                 start = time.perf_counter()
-                _call(model, args, kwargs)
+                forward_call(model, args, kwargs)
                 times[label].append(time.perf_counter() - start)
     return {label: sorted(values)[len(values) // 2] for label, values in times.items()}
 
@@ -121,7 +122,7 @@ def _rank_job(families: list[str], tp: int, repeats: int, depth: str) -> dict:
         args, kwargs, _ = reference_call(checkpoint, family)
         cls = resolve(checkpoint).transformer_class()
         layers = full_depth(cls, checkpoint) if depth == "full" else {}
-        plans = {"ours": tp_plan_of(cls), "stock": stock_plan(cls)}
+        plans = {**by_model_class(cls.__name__).plan_variants, "stock": stock_plan(cls)}
         models = {label: _sharded(cls, checkpoint, plan, mesh, layers) for label, plan in plans.items() if plan}
         seconds = _median_seconds(models, args, kwargs, repeats)
         results[family] = {"depth": layers or "tiny"}
@@ -146,12 +147,14 @@ def measure(families: list[str] | None = None, tp: int = 2, repeats: int = 5, de
 
 def format_table(result: dict) -> str:
     rows = [f"collectives per transformer forward at TP={result['tp']} (tiny widths, {result['depth']} depth, "
-            f"CPU/gloo; step time: median of {result['repeats']} forwards, ours and stock alternating)", "",
+            f"CPU/gloo; step time: median of {result['repeats']} forwards, the plans alternating)", "",
             "| family | plan | all-reduces | all-gathers | KiB sent | s / forward | vs stock |",
             "|---|---|---:|---:|---:|---:|---:|"]
     for family, plans in result["families"].items():
         stock = plans.get("stock")
-        for label, figures in ((label, plans[label]) for label in ("ours", "stock")):
+        for label, figures in plans.items():
+            if label == "depth":
+                continue
             if figures is None:
                 rows.append(f"| {family} | {label} | - | - | - | - | no stock plan |")
                 continue

@@ -4,7 +4,8 @@
 markdown table and writes `memory.json`, `memory.md` and `memory.png` into DIR. Every figure is
 measured by `plan report` on the full-size default configs built on the `meta` device, so the run
 takes seconds on a laptop and nothing in it is hand-maintained. MiniMax-H3 has no stock plan:
-stock loads the full model on every rank, so its stock per-rank figure is the total.
+stock loads the full model on every rank, so its stock per-rank figure is the total. "ours" is a family's leanest
+plan: its default, or its `lean` plan where it has one (Qwen-Image-2.1, whose default is stock's plan).
 
 `--rss` runs the other benchmark instead: peak RSS of a real tensor-parallel load and of fusing a LoRA into its
 shards (`rss.py`).
@@ -19,7 +20,7 @@ from pathlib import Path
 from ... import families
 from ...parallel.patches import stock_plan
 from ..plan.meta import meta_transformer
-from ..plan.sharding import BF16_BYTES, GIB, per_rank_params, plan_dict
+from ..plan.sharding import BF16_BYTES, GIB, per_rank_params
 from . import plot, rss
 
 DEGREES = (1, 2, 4, 8)
@@ -40,10 +41,12 @@ def measure(names=ALL_FAMILIES, degrees=DEGREES) -> list[dict]:
         family = families.get(name)
         model = meta_transformer(name).module
         total = sum(p.numel() for p in model.parameters())
-        ours, stock = plan_dict(family, "ours"), stock_plan(family.model_class())
+        ours_plan = "lean" if "lean" in family.plan_variants else "default"
+        ours, stock = family.plan_variants[ours_plan], stock_plan(family.model_class())
         for tp in degrees:
             row = {"family": name, "name": family.display_name, "model_class": type(model).__name__, "tp": tp,
-                   "total_gib": _gib(total), "limit_gib": _gib(total / tp), "stock_has_plan": stock is not None}
+                   "total_gib": _gib(total), "limit_gib": _gib(total / tp), "stock_has_plan": stock is not None,
+                   "ours_plan": ours_plan}
             for label, plan in (("stock", stock), ("ours", ours)):
                 try:
                     row[f"{label}_gib"] = _gib(per_rank_params(model, plan, tp))
@@ -65,11 +68,16 @@ def markdown(rows: list[dict]) -> str:
     ]
     for row in rows:
         stock = _cell(row["stock_gib"], row["limit_gib"]) + ("" if row["stock_has_plan"] else " no plan")
+        lean = "" if row["ours_plan"] == "default" else f" {row['ours_plan']}"
+        ours = _cell(row["ours_gib"], row["limit_gib"]) + lean
         lines.append(f"| {row['name']} ({row['total_gib']:.2f} GiB) | {row['tp']} | {row['limit_gib']:.2f} | "
-                     f"{stock} | {_cell(row['ours_gib'], row['limit_gib'])} |")
+                     f"{stock} | {ours} |")
     if not all(row["stock_has_plan"] for row in rows):
         lines += ["", "\"no plan\": diffusers ships no tensor-parallel plan for the model, so stock loads the full "
                       "model on every rank (per rank = total)."]
+    if any(row["ours_plan"] != "default" for row in rows):
+        lines += ["", "\"lean\": the family's lean plan (`plan=\"lean\"`), which holds less per rank for more "
+                      "collectives per forward; its default plan is stock's, with the fewest."]
     return "\n".join(lines) + "\n"
 
 

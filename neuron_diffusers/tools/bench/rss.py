@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor
 
 from ...parallel import lora
 from ...parallel.patches import shard_specs
-from ..plan.sharding import BF16_BYTES, held_params, plan_dict, planned_model
+from ...parallel.plan_variants import variant_plan
+from ..plan.sharding import BF16_BYTES, held_params, planned_model
 from ..spawn import run_on_cpu_ranks
 
 CONFIG = dict(num_attention_heads=16, attention_head_dim=128, num_layers=1, num_single_layers=2,
@@ -149,7 +150,7 @@ def _expected(checkpoint: Path, tp: int) -> dict[str, float]:
     """
     planned = planned_model(str(checkpoint))
     model = planned.module
-    specs = shard_specs(model, plan_dict(planned.family, "ours"), tp)
+    specs = shard_specs(model, variant_plan(planned.family, "default"), tp)
     params = dict(model.named_parameters())
     sharded = {name for name, spec in specs.items() if spec.dim is not None}
     return {

@@ -12,9 +12,10 @@ import dataclasses
 
 from ...families import PIPELINE_FAMILIES
 from ...parallel.layouts import DIMS, Layout, valid_layouts
+from ...parallel.plan_variants import variant_plan
 from .costs import KINDS, model_shapes, step_costs
 from .profiles import profile, step_seconds
-from .sharding import BF16_BYTES, GIB, held_params, plan_dict, planned_model, sharded_names, valid_tp_degrees
+from .sharding import BF16_BYTES, GIB, held_params, planned_model, sharded_names, valid_tp_degrees
 from .trace import trace
 
 DEFAULT_SIZE = (1024, 1024)
@@ -31,7 +32,7 @@ NOTES = {
 }
 
 
-def layouts_report(model: str, cores: int, size: tuple[int, int] = DEFAULT_SIZE, *, plan: str = "ours",
+def layouts_report(model: str, cores: int, size: tuple[int, int] = DEFAULT_SIZE, *, plan: str = "default",
                    true_cfg: bool = False, hardware: str | None = None) -> dict:
     """Every valid layout of `cores` ranks for `model` at `size` (width, height), with its per-rank costs.
 
@@ -44,7 +45,7 @@ def layouts_report(model: str, cores: int, size: tuple[int, int] = DEFAULT_SIZE,
     if not family.has_tiny:
         raise ValueError(f"{family.display_name} has no pipeline here, so there is no sequence to trace: layouts are "
                          f"reported for the pipeline families only ({', '.join(PIPELINE_FAMILIES)}).")
-    rules = plan_dict(family, plan)
+    rules = variant_plan(family, plan)
     width, height = size
     traced = trace(family, height, width, true_cfg)
     layouts = valid_layouts(meta.config.num_attention_heads, cores,

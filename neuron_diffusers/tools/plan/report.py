@@ -13,6 +13,10 @@ per `hoist_from` module. **Every planned Linear (and hoist source) is assumed to
 transformer forward** (true of the five supported transformers, whose forward visits each block
 once). `bench collectives` checks these counts at run time.
 
+`--plan` picks the plan reported (`default`, `lean`, `stock`: `parallel/plan_variants.py`); every report also lists
+each plan the family has at the same degree, memory and collectives side by side, which is where a default that trades
+memory for speed shows what it trades.
+
 `plan report --cores N` reports layouts instead (`layout_report.py`): every (dp, cfg, ring, ulysses, tp) of N
 ranks with its weights, FLOPs and bytes per rank and step.
 """
@@ -26,15 +30,14 @@ import re
 import torch
 
 from ...cli import positive_int
+from ...parallel.plan_variants import VARIANTS, variant_plan
 from ...parallel.rules import collectives_per_forward
 from .layout_report import DEFAULT_SIZE, format_layouts, layouts_report
 from .profiles import PROFILES
 from .sharding import (
     BF16_BYTES,
     GIB,
-    PLANS,
     held_params,
-    plan_dict,
     planned_model,
     sharded_names,
     valid_tp_degrees,
@@ -56,7 +59,23 @@ def _replicated(model: torch.nn.Module, sharded: set, total: int) -> list[dict]:
     return sorted(rows, key=lambda row: (-row["params"], row["module"]))
 
 
-def plan_report(model: str, tp: int, plan: str = "ours") -> dict:
+def _variants(meta: torch.nn.Module, family, tp: int) -> list[dict]:
+    """Per-rank GiB and collectives of every plan `family` has at degree `tp` (a plan that cannot: its reason)."""
+    rows = []
+    for name in VARIANTS:
+        try:
+            rules = variant_plan(family, name)
+            calls = collectives_per_forward(meta, rules)
+            gib = held_params(meta, sharded_names(meta, rules, tp), tp) * BF16_BYTES / GIB
+        except ValueError as error:
+            rows.append({"plan": name, "unavailable": str(error)})
+            continue
+        rows.append({"plan": name, "per_rank_gib_bf16": gib, "all_reduces_per_forward": calls["all_reduce"],
+                     "all_gathers_per_forward": calls["all_gather"]})
+    return rows
+
+
+def plan_report(model: str, tp: int, plan: str = "default") -> dict:
     """Per-rank parameters, bf16 bytes, replicated modules and collectives of `plan` at degree `tp`.
 
     `model` is a family name (its full-size default config) or a checkpoint folder (its
@@ -65,7 +84,7 @@ def plan_report(model: str, tp: int, plan: str = "ours") -> dict:
     """
     planned = planned_model(model)
     meta, family = planned.module, planned.family
-    rules = plan_dict(family, plan)
+    rules = variant_plan(family, plan)
     valid = valid_tp_degrees(meta, rules)
     if tp not in valid:
         raise ValueError(
@@ -98,6 +117,7 @@ def plan_report(model: str, tp: int, plan: str = "ours") -> dict:
         "all_reduces_per_forward": calls["all_reduce"],
         "all_gathers_per_forward": calls["all_gather"],
         "valid_tp_degrees": valid,
+        "variants": _variants(meta, family, tp),
     }
 
 
@@ -106,6 +126,13 @@ def human_params(count: float) -> str:
         if count >= scale:
             return f"{count / scale:.2f} {unit}"
     return f"{count:.0f}"
+
+
+def _variant_line(row: dict) -> str:
+    if "unavailable" in row:  # the reason's first clause: "FLUX.1 has no 'lean' plan"
+        return f"  {row['plan']:<10} {'-':>18} {'-':>12} {'-':>12}  ({row['unavailable'].split(':')[0]})"
+    return (f"  {row['plan']:<10} {row['per_rank_gib_bf16']:>18.2f} {row['all_reduces_per_forward']:>12} "
+            f"{row['all_gathers_per_forward']:>12}")
 
 
 def format_report(report: dict, top: int = 12) -> str:
@@ -126,6 +153,9 @@ def format_report(report: dict, top: int = 12) -> str:
         f"  collectives per forward: {report['all_reduces_per_forward']} all-reduces, "
         f"{report['all_gathers_per_forward']} all-gathers (each planned Linear and hoist source called once)",
         f"  valid TP degrees: {', '.join(map(str, report['valid_tp_degrees']))}",
+        "",
+        f"  {'plans':<10} {'GiB bf16 per rank':>18} {'all-reduces':>12} {'all-gathers':>12}",
+        *(_variant_line(row) for row in report["variants"]),
         "",
         f"  replicated on every rank: {human_params(report['replicated_params'])} params "
         f"({report['replicated_params'] / report['total_params']:.1%} of the model)",
@@ -157,7 +187,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     degree.add_argument("--tp", type=positive_int, help="tensor-parallel degree: memory and collectives of the plan")
     degree.add_argument("--cores", type=positive_int,
                         help="ranks: every valid (dp, cfg, ring, ulysses, tp) layout with its per-rank costs")
-    parser.add_argument("--plan", choices=PLANS, default="ours")
+    parser.add_argument("--plan", choices=VARIANTS, default="default",
+                        help="the plan to report: our default, our lean one (where a family has one) or diffusers' "
+                             "own; every report also lists each plan's memory and collectives")
     parser.add_argument("--size", type=image_size, help="with --cores: WIDTHxHEIGHT of the image or video "
                                                         "(default 1024x1024; MiniMax-H3 videos have 124 frames)")
     parser.add_argument("--true-cfg", action="store_true",

@@ -11,11 +11,9 @@ from __future__ import annotations
 import torch
 
 from ...distributed import divisors
-from ...families import Family
-from ...parallel.patches import shard_specs, stock_plan
+from ...parallel.patches import shard_specs
 from .meta import MetaModel, meta_transformer
 
-PLANS = ("ours", "stock")
 BF16_BYTES = 2
 GIB = 2**30
 
@@ -27,19 +25,6 @@ def planned_model(model: str) -> MetaModel:
         raise ValueError(f"{model} has a {type(meta.module).__name__} transformer, which has no tensor-parallel plan "
                          f"here. Plan one first (docs/authoring.md), or use `plan check` with a plan file.")
     return meta
-
-
-def plan_dict(family: Family, plan: str) -> dict:
-    """The plan named `plan` ("ours" or "stock") for `family`'s transformer."""
-    if plan not in PLANS:
-        raise ValueError(f"Unknown plan '{plan}': choose one of {', '.join(PLANS)}.")
-    if plan == "ours":
-        return family.plan
-    stock = stock_plan(family.model_class())
-    if stock is None:
-        raise ValueError(f"diffusers ships no tensor-parallel plan for {family.model_class_name} ({family.name}): "
-                         "stock loads the full model on every rank. Use --plan ours.")
-    return stock
 
 
 def sharded_names(model: torch.nn.Module, plan: dict | None, tp: int) -> set[str]:

@@ -1,0 +1,34 @@
+"""`bench step` at tiny size: the output's structure, and that every figure is a measured one."""
+
+import json
+import statistics
+
+from PIL import Image
+
+from neuron_diffusers.cli import main
+
+
+def test_bench_step_measures_every_variant_beside_one_process(tmp_path, capsys):
+    out = tmp_path / "step"
+    assert main(["bench", "step", "--family", "qwenimage21", "--width", "tiny", "--tokens", "64", "--text", "16",
+                 "--repeats", "2", "--json", "--out", str(out)]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert result["family"] == "qwenimage21" and result["tp"] == 2 and result["blocks"] == {"num_layers": 1}
+    assert (result["image_tokens"], result["text_tokens"]) == (64, 16)  # read off the captured call
+    assert set(result["seconds"]) == {"default", "lean", "stock", "one process"}  # 2.1 has a lean plan
+    for label, samples in result["seconds"].items():
+        assert len(samples) == 2 and all(s > 0 for s in samples), label
+        assert result["median_s"][label] == statistics.median(samples)
+    assert result["ideal_s"] == result["median_s"]["one process"] / 2
+    assert result["vs_stock"]["lean"] == result["median_s"]["lean"] / result["median_s"]["stock"]
+    assert all(diff < 1e-5 for diff in result["max_abs_diff"].values()), result["max_abs_diff"]
+    assert json.loads((out / "step.json").read_text()) == [result]
+    table = (out / "step.md").read_text()
+    assert "| Qwen-Image-2.1 | layers=1 |" in table and "(lean)" in table
+    with Image.open(out / "step.png") as image:
+        assert image.format == "PNG"
+
+
+def test_a_token_count_that_is_not_square_is_refused(capsys):
+    assert main(["bench", "step", "--family", "flux", "--width", "tiny", "--tokens", "63"]) == 2
+    assert "--tokens 63 is not a square number" in capsys.readouterr().err
