@@ -5,8 +5,8 @@ text encoder on CPU, transformer on the device), `warmup` (`compile_repeated_blo
 `prompts` (20 prompt lengths after warm-up: graphs and recompiles), `ours` (median transformer forward of one
 `generate`), `stock_cpu_encoder` (the stock pipeline with its text encoder on CPU beside the device transformer),
 `stock` (a fresh transformer with the same weights, stock `compile_repeated_blocks` of the same block classes, the
-stock pipeline called with the embeddings on the device), then `done`. A failure prints an `error` line naming its
-phase; what was printed before it stands.
+stock pipeline called with the same padded embeddings on the device), then `done`. A failure prints an `error`
+line naming its phase; what was printed before it stands.
 
 Run by `bench device` (`device.py`): `python -m neuron_diffusers.tools.bench.device_family FAMILY [--tiny]`.
 """
@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 import warnings
+import weakref
 
 import torch
 from diffusers.utils import logging as diffusers_logging
@@ -157,6 +158,7 @@ class _Run:
                   text_encoder="the tiny checkpoint's" if self.tiny else
                   "random stand-in: real output width, a few narrow layers (device_folder.py)")
         pipe = self._ours(checkpoint, transformer)
+        del transformer  # `pipe` holds the only reference: the stock phase frees it before building its own
         self._stock(checkpoint, cls, config, pipe)
         self.emit("done")
 
@@ -200,14 +202,18 @@ class _Run:
         return pipe
 
     def _stock(self, checkpoint, cls, config, pipe) -> None:
-        adapter = pipe.adapter
-        embeds = adapter.encode(pipe.encoder, TIMED_PROMPT, None)
+        adapter, encoder = pipe.adapter, pipe.encoder
+        # Padded as ours pads it: the same shapes, so the two runtimes are compared (not the padding), and the
+        # compiler's on-disk cache compiles stock's graphs from ours in seconds.
+        embeds = adapter.pad(adapter.encode(encoder, TIMED_PROMPT, None), pipe.buckets)
         blocks = compiled_block_classes(adapter.transformer_of(pipe.pipe), adapter)
         if hasattr(adapter, "pipeline_cls"):
             self.phase = "stock_cpu_encoder"
             self._stock_cpu_encoder(adapter, pipe)
         self.phase = "stock"
+        ours = weakref.ref(adapter.transformer_of(pipe.pipe))
         stock = self._stock_denoiser(adapter, pipe, cls, config)
+        del pipe
         patches.compile_blocks(stock.transformer, blocks, backend=self.backend, fullgraph=True,
                                dynamic=False)
         embeds = _device_embeds(embeds, self.device)
@@ -224,7 +230,7 @@ class _Run:
                       **self.call_kwargs(self.steps + 2))
         self.emit("stock", step_ms=_median_ms(seconds), forwards=len(seconds),
                   forward_ms=[round(s * 1000, 3) for s in seconds], first_call_seconds=round(warm_s, 3),
-                  compiled_blocks=blocks)
+                  compiled_blocks=blocks, ours_freed=ours() is None)
 
     def _stock_cpu_encoder(self, adapter, pipe) -> None:
         """The stock pipeline whole, its text encoder on CPU and its transformer on the device, called with a
@@ -244,23 +250,23 @@ class _Run:
     def _stock_denoiser(self, adapter, pipe, cls, config):
         """Stock: the same pipeline around a fresh transformer with the same weights (ours freed first: two
         full-size copies need not fit), none of our hooks on it, called directly with device embeddings."""
-        torch._dynamo.reset()
-        if hasattr(adapter, "pipeline_cls"):
-            components = {name: value for name, value in pipe.pipe.components.items() if name != "transformer"}
-            pipe.pipe.transformer = None
-            del pipe
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            stock = adapter.pipeline_cls()(**components, transformer=random_transformer(cls, config, self.device))
-        else:  # MiniMax-H3's modular denoise blocks; our sequence padding hooks the old transformer's blocks only
+        torch._dynamo.reset()  # the compiled code holds ours too
+        modular = not hasattr(adapter, "pipeline_cls")
+        if modular:  # MiniMax-H3's denoise blocks; our sequence padding hooks the old transformer's blocks only
             stock = pipe.pipe.denoiser
             stock.update_components(transformer=None)
-            del pipe
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            stock.update_components(transformer=random_transformer(cls, config, self.device))
+        else:
+            stock = adapter.pipeline_cls()(**{name: value for name, value in pipe.pipe.components.items()
+                                              if name != "transformer"}, transformer=None)
+        pipe.pipe = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        fresh = random_transformer(cls, config, self.device)
+        if modular:
+            stock.update_components(transformer=fresh)
+        else:
+            stock.register_modules(transformer=fresh)
         if hasattr(stock, "set_progress_bar_config"):
             stock.set_progress_bar_config(disable=True)
         return stock
