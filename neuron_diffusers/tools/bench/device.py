@@ -26,6 +26,7 @@ import threading
 import time
 
 from ... import families
+from ...cli import positive_float
 
 #: Total seconds for every family: the issue's 8 minutes on one H200 (the lead's device run has 600 s in all).
 TOTAL_S = 480.0
@@ -126,11 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run only this family (repeatable; default: every family, in registry order)")
     parser.add_argument("--backend", default="auto",
                         help="torch.compile backend (default auto: neuron if installed, else inductor)")
-    parser.add_argument("--total-s", type=float, default=None,
+    parser.add_argument("--total-s", type=positive_float, default=None,
                         help=f"seconds for all families together (default {TOTAL_S:.0f}, --tiny {TINY_TOTAL_S:.0f})")
 
 
 def main(args: argparse.Namespace) -> None:
+    from ...compile import resolve_backend  # imports torch: only when the command runs
+
+    resolve_backend(args.backend)  # an unknown backend fails here once, not in every family's process
     names = args.family or list(families.PIPELINE_FAMILIES)
 
     def out(result: dict) -> None:
