@@ -21,6 +21,7 @@ import resource
 import statistics
 import sys
 import time
+import traceback
 import warnings
 import weakref
 
@@ -114,6 +115,13 @@ def _memory_problem(params: int, device: torch.device, tiny_run: bool) -> str | 
     return None
 
 
+def describe(error: BaseException) -> str:
+    """One line: the exception, its first line, and where it was raised (the device run's log is all we get)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]:.300}{where}"
+
+
 def _device_embeds(embeds: dict, device: torch.device) -> dict:
     return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in embeds.items()}
 
@@ -186,7 +194,7 @@ class _Run:
                 pipe.generate(prompt, seed=0, **call)
                 run += 1
         except FailOnRecompileLimitHit as error:  # unbucketed text: a graph per length until dynamo refuses
-            failure = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            failure = describe(error)
         after = compile_report()
         static = bool(pipe.buckets) or pipe.adapter.static_text_length
         self.emit("prompts", seconds=round(time.perf_counter() - began, 3), prompts=len(LENGTH_PROMPTS),
@@ -241,11 +249,11 @@ class _Run:
         stock.set_progress_bar_config(disable=True)
         try:  # eager: our compiled blocks would compile again for the unpadded text, minutes on a device
             with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-                stock(prompt=LENGTH_PROMPTS[1], generator=torch.Generator("cpu").manual_seed(0), output_type="latent",
+                stock(prompt=TIMED_PROMPT, generator=torch.Generator("cpu").manual_seed(0), output_type="latent",
                       **self.call_kwargs(1 if self.device.type == "cuda" else self.steps))
             self.emit("stock_cpu_encoder", ok=True)
         except Exception as error:  # the point of the phase: which error stock raises here
-            self.emit("stock_cpu_encoder", ok=False, error=f"{type(error).__name__}: {str(error).splitlines()[0]}")
+            self.emit("stock_cpu_encoder", ok=False, error=describe(error))
 
     def _stock_denoiser(self, adapter, pipe, cls, config):
         """Stock: the same pipeline around a fresh transformer with the same weights (ours freed first: two
@@ -284,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run.run()
     except Exception as error:
-        emit(args.family, "error", at=run.phase, error=f"{type(error).__name__}: {str(error).splitlines()[0]:.300}",
-             peak_gib=peak_gib(run.device))
+        emit(args.family, "error", at=run.phase, error=describe(error), peak_gib=peak_gib(run.device))
         return 1
     return 0
 
