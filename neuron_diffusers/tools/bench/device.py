@@ -54,7 +54,10 @@ def run_family(family: str, budget_s: float, tiny: bool, backend: str, out=print
     results = []
     with tempfile.NamedTemporaryFile("w+", suffix=".stderr") as stderr:
         # Its own session, so a time box ends the child and anything it started (compiler workers) together.
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+        # --tiny means the CPU even where an accelerator is present: the run the test suite checks.
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if tiny else None
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+                                 env=env)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(child.stdout, lines), daemon=True).start()
         deadline = time.monotonic() + budget_s

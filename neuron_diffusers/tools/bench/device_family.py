@@ -98,7 +98,8 @@ def random_transformer(cls, config: dict, device: torch.device) -> torch.nn.Modu
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            return cls.from_config(config).eval()
+            # `.to`: a buffer an `__init__` made from NumPy lands on the CPU whatever the default device.
+            return cls.from_config(config).eval().to(device)
     finally:
         torch.set_default_dtype(default)
 
