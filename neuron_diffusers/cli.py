@@ -43,6 +43,8 @@ COMMANDS = {
                                         "ranks; collectives by kind"),
     "bench vae": ("tools.bench.vae", "per-rank peak memory and seconds of a VAE decode, one rank vs N (parallel "
                                      "VAE)"),
+    "bench device": ("tools.bench.device", "each family at full size on the device present (CUDA, else CPU): "
+                                           "recompiles, step ms ours vs stock, peak memory; --tiny on CPU"),
 }
 #: Help for the command groups of two-word commands.
 GROUPS = {"plan": "inspect tensor-parallel plans", "bench": "benchmarks"}

@@ -393,6 +393,21 @@ def _parallel_config(mesh: DeviceMesh, mode: context.RunnerMode | None) -> dict:
     return {"parallel_config": ParallelConfig(context_parallel_config=cp, tensor_parallel_config=tp)}
 
 
+def _check_prebuilt(transformer: torch.nn.Module, checkpoint: Checkpoint, mesh: DeviceMesh | None) -> None:
+    """A prebuilt transformer (`load_pipeline(transformer=...)`): the folder's class, on a one-rank image group."""
+    wanted = checkpoint.transformer_class()
+    if type(transformer) is not wanted:
+        raise ValueError(f"`transformer` is a {type(transformer).__name__}, but {checkpoint.path} holds a "
+                         f"{wanted.__name__}: pass an instance of the folder's transformer class, or leave "
+                         "`transformer` out to load the folder's own.")
+    degree = 1 if mesh is None else dim_size(mesh, "tp") * context_degree(mesh)
+    if degree > 1 or (mesh is None and dist.is_initialized() and dist.get_world_size() > 1):
+        raise ValueError("`transformer` (a prebuilt, unsharded module) runs on a one-rank image group only, but this "
+                         "mesh splits the transformer over several ranks (TP or context parallelism): each rank must "
+                         "stream its own slice from the checkpoint. Leave `transformer` out, or use a mesh with tp=1 "
+                         "and no ulysses / ring dimension.")
+
+
 def load_pipeline(
     model: str | os.PathLike | Checkpoint,
     mesh: DeviceMesh | None = None,
@@ -405,6 +420,7 @@ def load_pipeline(
     cp_any_length: bool = False,
     parallel_vae: bool | None = None,
     plan: str = "default",
+    transformer: torch.nn.Module | None = None,
 ) -> TPPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
@@ -440,9 +456,17 @@ def load_pipeline(
     where the VAE class can be split and splits the calls where that pays (`parallel.vae.DEFAULT_MIN_PIXELS`:
     MiniMax-H3 always, the others from 1024 x 1024). `True` with a VAE it cannot split is refused before any weight
     is read.
+
+    `transformer` is a prebuilt, unsharded transformer used instead of reading the folder's weights (`bench device`
+    builds a full-size one with random weights on the device: writing and reading a 12B-parameter checkpoint would
+    take longer than the benchmark). The folder then needs the transformer's config only. Only for a one-rank image
+    group (no TP, no context parallelism: a prebuilt module cannot be streamed shard by shard) and an instance of the
+    folder's transformer class; anything else is refused before any weight is read. It is moved to the mesh's device.
     """
     checkpoint = resolve(model, pipeline_class)
     tp_plan = variant_plan(checkpoint.family, plan)
+    if transformer is not None:
+        _check_prebuilt(transformer, checkpoint, mesh)
     if cache is not None:
         check_cache(cache, checkpoint.meta("transformer"))
     loras = check_loras(checkpoint, loras)
@@ -467,11 +491,12 @@ def load_pipeline(
                                           dim_size(mesh, "tp") * degree)
     times = PhaseTimes()
     with times.phase("load transformer (sharded)"):
-        with using_plan(checkpoint.transformer_class(), tp_plan):
-            transformer = checkpoint.transformer_class().from_pretrained(
-                checkpoint.path, subfolder="transformer", dtype=torch_dtype, **parallel
-            )
-        record_tp_plan(transformer, tp_plan)
+        if transformer is None:
+            with using_plan(checkpoint.transformer_class(), tp_plan):
+                transformer = checkpoint.transformer_class().from_pretrained(
+                    checkpoint.path, subfolder="transformer", dtype=torch_dtype, **parallel
+                )
+            record_tp_plan(transformer, tp_plan)
         if not parallel:
             transformer.to(device)
     if cache is not None:

@@ -1,0 +1,60 @@
+"""`bench device --tiny`: every family's phases as JSON lines, 0 recompiles over 20 prompt lengths, measured figures;
+and `load_pipeline(transformer=...)`, which it loads through."""
+
+import statistics
+from types import SimpleNamespace
+
+import pytest
+import torch
+from diffusers import QwenImageTransformer2DModel
+
+from neuron_diffusers import families
+from neuron_diffusers.runner import load_pipeline
+from neuron_diffusers.tools.bench import device
+
+PHASES = ["build", "load", "warmup", "prompts", "ours", "stock_cpu_encoder", "stock", "done"]
+
+
+def test_tiny_run_prints_every_phase_of_every_family_with_measured_figures():
+    lines = []
+    # Each family's time box is a share of total_s: generous, since a shared 2-core machine takes minutes per family.
+    device.run(list(families.PIPELINE_FAMILIES), tiny=True, backend="aot_eager", total_s=2400, out=lines.append)
+    steps = []
+    by_family = {name: [line for line in lines if line["family"] == name] for name in families.PIPELINE_FAMILIES}
+    for name, rows in by_family.items():
+        phases = [row["phase"] for row in rows]
+        # MiniMax-H3 is modular: no stock pipeline class to put a CPU text encoder into.
+        assert phases == [p for p in PHASES if not (name == "h3" and p == "stock_cpu_encoder")], (name, rows)
+        row = {r["phase"]: r for r in rows}
+        assert row["build"]["device"] == "cpu" and row["load"]["text_encoder_device"] == "cpu"
+        prompts = row["prompts"]
+        assert prompts["prompts"] == 20 and len(set(prompts["words"])) == 20
+        if prompts["static_shapes"]:
+            assert prompts["prompts_run"] == 20 and prompts["recompiles"] == prompts["graphs"] == 0, prompts
+        else:  # unbucketed text (Qwen-Image-2.1 until bucketed by default): a graph per length, until refused
+            assert prompts["recompiles"] > 0 and prompts["failure"].startswith("FailOnRecompileLimitHit"), prompts
+        assert row["warmup"]["graphs"] > 0 and row["warmup"]["seconds"] > 0
+        for run in ("ours", "stock"):
+            times = row[run]["forward_ms"]
+            assert row[run]["forwards"] == len(times) >= 2 and min(times) > 0
+            assert row[run]["step_ms"] == pytest.approx(statistics.median(times), abs=0.01)
+            steps.append(row[run]["step_ms"])
+        assert 0 < row["build"]["peak_gib"] <= row["done"]["peak_gib"]
+    # Measured, not constant: no two runs (ours, stock; every family) report the same step time.
+    assert len(set(steps)) == len(steps), steps
+    assert "| flux |" in device.summary(lines)
+
+
+def test_load_pipeline_refuses_a_prebuilt_transformer_of_another_class_or_on_several_ranks(tiny_checkpoint):
+    folder = tiny_checkpoint("flux")
+    with torch.device("meta"):
+        other = QwenImageTransformer2DModel(num_layers=1, attention_head_dim=8, num_attention_heads=2,
+                                            joint_attention_dim=16, axes_dims_rope=(2, 2, 4))
+    with pytest.raises(ValueError, match="holds a FluxTransformer2DModel: pass an instance of the folder's"):
+        load_pipeline(folder, transformer=other)
+    two_ranks = SimpleNamespace(mesh_dim_names=("dp", "tp"), shape=(1, 2))  # what the check reads of a mesh
+    flux = families.get("flux").model_class()
+    with torch.device("meta"):
+        own = flux.from_config(flux.load_config(folder / "transformer"))
+    with pytest.raises(ValueError, match="one-rank image group only"):
+        load_pipeline(folder, mesh=two_ranks, transformer=own)
