@@ -4,6 +4,8 @@
 import asyncio
 import base64
 import io
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -21,8 +23,10 @@ from neuron_diffusers.cli import main
 from neuron_diffusers.job import Request, settings_text
 from neuron_diffusers.media import png_bytes
 from neuron_diffusers.outputs import model_identity, settings_key
+from neuron_diffusers.serve import liveness
 from neuron_diffusers.serve.app import GENERATIONS, build_app
 from neuron_diffusers.serve.channel import Channel
+from neuron_diffusers.serve.liveness import Liveness
 from neuron_diffusers.serve.metrics import Metrics
 from neuron_diffusers.serve.request import ImageRequest, ServeConfig, plan_work
 from neuron_diffusers.serve.scheduler import Scheduler
@@ -133,10 +137,44 @@ def test_http_layer_answers_refuses_and_queues_in_one_process():
     assert Channel(0, store).receive_task(3) == {"stop": True}
 
 
+def test_a_silent_rank_fails_health_the_queue_and_every_rank(monkeypatch):
+    monkeypatch.setattr(liveness, "BEAT_S", 0.02)
+    monkeypatch.setattr(liveness, "EXIT_GRACE_S", 0.2)
+    store, metrics = HashStore(), Metrics()
+    scheduler = Scheduler([Channel(0, store)], max_queue=2, metrics=metrics)
+    scheduler.ready.set()
+    client = TestClient(build_app(_config(), scheduler, metrics, request_timeout_s=5))
+    exits = {0: [], 1: [], 2: [], 3: []}
+    # Rank 2 leaves normally (its silence is no death); rank 1 beats, then goes silent as a killed process would;
+    # rank 3 lives on and hears of it from rank 0.
+    watchers = {rank: Liveness(store, rank, 4, 0.3, exit_process=exits[rank].append) for rank in (1, 2, 3)}
+    watchers[0] = Liveness(store, 0, 4, 0.3, on_failure=scheduler.fail, exit_process=exits[0].append)
+    for watcher in watchers.values():
+        watcher.start()
+    time.sleep(0.2)
+    watchers[2].leave()
+    time.sleep(0.6)
+    assert watchers[0].failure is None and not any(exits.values())
+    waiting = scheduler.submit({"prompts": ["a fox"]}, 1)  # no dispatcher runs: it waits in the queue
+    watchers[1]._stop.set()  # rank 1 dies: no goodbye
+    deadline = time.monotonic() + 10
+    while not (exits[0] and exits[3]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert exits == {0: [1], 1: [], 2: [], 3: [1]}, exits
+    assert "rank 1 is gone" in watchers[0].failure and watchers[3].failure == watchers[0].failure
+    health = client.get("/health")
+    assert health.status_code == 503 and "rank 1 is gone" in health.json()["error"]["message"]
+    assert waiting.result(1)["error"]["status"] == 503
+    refused = client.post(GENERATIONS, json={"prompt": "a fox"})
+    assert refused.status_code == 503 and "rank 1 is gone" in refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--compile", "--port", "0"], "--sizes"),
     (["serve", "--model", "h3", "--port", "0"], "generate"),
     (["serve", "--sizes", "32x33", "--port", "0"], "multiples of 16"),
+    (["serve", "--ulysses", "2", "--port", "0"], "does not divide the world size 1"),
+    (["serve", "--peer-timeout", "700", "--port", "0"], "Lower --peer-timeout"),
     (["bench", "serve", "--requests", "2000"], "bounded"),
 ])
 def test_bad_command_lines_exit_2_before_anything_starts(argv, message, capsys):
@@ -149,14 +187,18 @@ def _b64_pixels(item) -> tuple[np.ndarray, dict]:
     return np.asarray(image.convert("RGB")), image.text
 
 
-def test_server_under_torchrun_tp2(tmp_path):
-    # The CLI job's image, to compare the server's with.
+@pytest.fixture(scope="module")
+def job_image(tmp_path_factory):
+    """The CLI job's image at TP=2, to compare the servers' with."""
+    out = tmp_path_factory.mktemp("job")
     job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
                           "neuron_diffusers", "generate", "--prompt", "a red fox", "--seed", "7", "--steps", "2",
-                          "--tp", "2", "--out", str(tmp_path / "job")], capture_output=True, text=True, timeout=300)
+                          "--tp", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
-    job_image = Image.open(tmp_path / "job" / "00000-a-red-fox.png")
+    return Image.open(out / "00000-a-red-fox.png")
 
+
+def test_server_under_torchrun_tp2(job_image):
     server = ServerProcess(2, ["--tp", "2", "--steps", "2", "--max-queue", "5"])
     try:
         server.wait_ready()
@@ -224,3 +266,69 @@ def _wait_busy(base_url, timeout_s=60.0):
         time.sleep(0.05)
     raise AssertionError("no request became busy")
 
+
+
+def test_server_with_ulysses_and_a_rank_killed_while_idle(job_image):
+    """Two ranks started without torchrun (one process per rank, as one pod per rank would be: no agent that stops
+    the others), serving with Ulysses: the job's TP=2 image, then rank 1 is SIGKILLed while the server idles. Rank 0
+    must notice it from the heartbeats alone, answer /health 503 (or be gone) and exit 1."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        master_port = probe.getsockname()[1]
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
+        ranks.append(subprocess.Popen([sys.executable, "-m", "neuron_diffusers", "serve", "--port", "0", "--tp", "1",
+                                       "--ulysses", "2", "--steps", "2", "--peer-timeout", "2"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    lines = []
+    threading.Thread(target=lambda: lines.extend(ranks[0].stdout), daemon=True).start()
+    try:
+        url = _wait_ready(lines, ranks[0])
+        with httpx.Client(timeout=120) as client:
+            answer = client.post(url + GENERATIONS, json={"prompt": "a red fox", "seed": 7})
+            assert answer.status_code == 200, answer.text
+            pixels, text = _b64_pixels(answer.json()["data"][0])
+            difference = np.abs(pixels.astype(int) - np.asarray(job_image.convert("RGB")).astype(int))
+            assert difference.max() <= 1, difference.max()  # fp32 sums in another order: within one level
+            assert (text["tp"], text["ulysses"], text["settings_digest"]) == \
+                ("1", "2", job_image.text["settings_digest"])
+            # 48x48 is 9 image tokens: Ulysses over 2 ranks cannot split them, refused before it queues.
+            odd = client.post(url + GENERATIONS, json={"prompt": "a fox", "size": "48x48"})
+            assert odd.status_code == 400 and "48x64" in odd.json()["error"]["message"], odd.text
+            assert client.get(url + "/health").status_code == 200
+
+        ranks[1].kill()
+        killed = time.monotonic()
+        health = []
+        while ranks[0].poll() is None and time.monotonic() - killed < 60:
+            try:
+                health.append(httpx.get(url + "/health", timeout=2).status_code)
+            except httpx.HTTPError:
+                health.append("gone")
+            time.sleep(0.1)
+        assert ranks[0].wait(5) == 1, "".join(lines[-30:])
+        assert time.monotonic() - killed < 2 + liveness.EXIT_GRACE_S + 10
+        assert health[-1] != 200 and 200 not in health[health.index(503 if 503 in health else "gone"):], health
+        assert any("rank 1 is gone" in line for line in lines), "".join(lines[-30:])
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+
+
+def _wait_ready(lines, rank0, timeout_s=300.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if rank0.poll() is not None:
+            raise AssertionError("rank 0 exited while starting:\n" + "".join(lines[-30:]))
+        url = next((line.split("listening on ")[1].split()[0] for line in lines if "listening on" in line), None)
+        if url is not None:
+            try:
+                if httpx.get(url + "/ready", timeout=5).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    raise AssertionError("the server was not ready in time:\n" + "".join(lines[-30:]))

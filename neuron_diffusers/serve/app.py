@@ -78,7 +78,7 @@ def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, reque
             return error(503, "loading: weights are not loaded (and warmed) yet", "not_ready",
                          error_type="server_error")
         return {"status": "ready", "model": config.checkpoint.source, "replicas": config.replicas,
-                "tp": config.tp, "cfg": config.cfg}
+                "tp": config.tp, "ulysses": config.ulysses, "ring": config.ring, "cfg": config.cfg}
 
     @app.get("/metrics")
     async def prometheus():

@@ -1,15 +1,18 @@
 """`neuron-diffusers serve`: load the model once over the launched ranks and answer image requests over HTTP.
 
-    torchrun --nproc_per_node=N -m neuron_diffusers serve --model M [--tp T] [--cfg-parallel] [--port P] ...
+    torchrun --nproc_per_node=N -m neuron_diffusers serve --model M [--tp T] [--ulysses U] [--ring R]
+        [--cfg-parallel] [--port P] ...
 
 Global rank 0 runs the HTTP server (uvicorn, in a thread) and the scheduler; every rank, rank 0 included, serves its
-replica (a data-parallel TP group, or with `--cfg-parallel` a CFG pair of them) in its main thread. Everything the
-command line says is checked before the process group starts or any weight is read, like the job's.
+replica (a data-parallel image group of tp x ulysses x ring ranks, or with `--cfg-parallel` a CFG pair of them) in
+its main thread. Everything the command line says is checked before the process group starts or any weight is read,
+with the job's rules.
 
 Shutdown: SIGTERM (what torchrun, Kubernetes and `docker stop` send) stops rank 0 from accepting connections, lets
 the requests in flight and in the queue finish (at most `--shutdown-timeout` seconds), then every replica leaves its
 loop and every rank exits 0. A rank that gets SIGTERM waits for rank 0's word for as long. A lost rank ends the
-serving ranks with a collective error (exit 1), and torchrun stops the rest.
+serving ranks with exit 1: at once through the collective in flight, or within `--peer-timeout` through the
+heartbeats when idle (`liveness.py`); `/health` answers 503 meanwhile.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ..compile import compile_repeated_blocks, resolve_backend, warmup
 from ..consistency import CallEntry
 from ..distributed import (
     check_cfg_degree,
+    check_cp_degrees,
     check_tp_degree,
     default_store,
     detect_runtime,
@@ -39,8 +43,10 @@ from ..distributed import (
     leave_together,
 )
 from ..job import DEFAULT_MAX_PIXELS, DTYPES
+from ..parallel import context
 from ..runner import load_pipeline
 from .channel import Channel
+from .liveness import Liveness
 from .replica import serve_replica
 
 #: The `serve` extra's modules (pyproject.toml).
@@ -64,6 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=positive_int, default=None,
                         help="tensor-parallel degree (default: all ranks; with --cfg-parallel half of them); the "
                              "other ranks form more replicas that serve requests at the same time")
+    parser.add_argument("--ulysses", type=positive_int, default=1,
+                        help="context parallelism: ranks splitting each image's sequence with Ulysses attention")
+    parser.add_argument("--ring", type=positive_int, default=1,
+                        help="context parallelism: ranks splitting each image's sequence with ring attention")
+    parser.add_argument("--cp-any-length", action="store_true",
+                        help="with --ulysses / --ring: any image size, with diffusers' *_anything modes (not with "
+                             "--compile); default: sizes whose tokens split, others refused with nearby ones")
+    parser.add_argument("--pipeline", default=None, metavar="CLASS",
+                        help="the stock pipeline class to serve the checkpoint with (default: its index's), e.g. "
+                             "FluxKontextPipeline, FluxImg2ImgPipeline: image inputs through POST /v1/images/edits")
     parser.add_argument("--cfg-parallel", action="store_true",
                         help="replicas are CFG pairs of TP groups: a request with true CFG computes cond and uncond "
                              "side by side")
@@ -85,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="default: bfloat16 on an accelerator, float32 on CPU")
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds any collective may wait")
+    parser.add_argument("--peer-timeout", type=positive_float, default=30.0,
+                        help="seconds without a rank's heartbeat before it is taken as dead and the server exits 1 "
+                             "(at most --timeout)")
     parser.add_argument("--compile", nargs="?", const="auto", default=None, metavar="BACKEND",
                         help="compile the transformer's repeated blocks and warm up every --sizes entry before "
                              "serving; other sizes are refused (no request recompiles)")
@@ -104,10 +123,15 @@ def plan_server(args, world_size: int, device_type: str):
             raise ValueError("--compile serves only the sizes it warmed up: give them with --sizes WIDTHxHEIGHT[,...].")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a port: use 0 .. 65535 (0 picks a free one).")
+    if args.peer_timeout > args.timeout:
+        raise ValueError(f"--peer-timeout {args.peer_timeout:g} is above --timeout {args.timeout:g}: a dead rank must "
+                         "be noticed before a collective gives up on it. Lower --peer-timeout.")
     pairs = 2 if args.cfg_parallel else 1
-    tp = args.tp or max(world_size // pairs, 1)
+    cp = args.ulysses * args.ring
+    tp = args.tp or max(world_size // (pairs * cp), 1)
     check_tp_degree(tp, world_size)
-    checkpoint = resolve(args.model)
+    check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring)
+    checkpoint = resolve(args.model, args.pipeline)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
     adapter = checkpoint.adapter
@@ -123,14 +147,27 @@ def plan_server(args, world_size: int, device_type: str):
                          "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
                          "--cfg-parallel.")
     check_cfg_degree(pairs, tp, world_size)
+    mode = context.runner_mode(checkpoint.family.display_name, adapter.cp_text, args.ulysses, args.ring,
+                               args.cp_any_length) if cp > 1 else None
+    if mode is not None:
+        if mode.any_length and args.compile:
+            raise ValueError(f"--compile with context parallelism needs static shapes, but "
+                             f"{checkpoint.family.display_name} would run diffusers' *_anything mode here (any length, "
+                             "a host sync per attention call). Drop --compile or --cp-any-length.")
+        context.check_layout(checkpoint.family.display_name, checkpoint.config("transformer").get(
+            "num_attention_heads"), world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
+            ulysses_anything=mode.ulysses_anything)
     limits = adapter.size_limits(checkpoint)
     default = tiny.default_size(args.model) if args.model in tiny.FAMILIES else (1024, 1024)
+    config = ServeConfig(checkpoint, limits, args.sizes[0] if args.sizes else default, args.steps, args.max_steps,
+                         args.max_pixels, tp, world_size // (tp * cp * pairs), pairs,
+                         args.dtype or ("float32" if device_type == "cpu" else "bfloat16"),
+                         sizes=args.sizes if args.compile else None, ulysses=args.ulysses, ring=args.ring,
+                         cp_split=mode is not None and not mode.any_length)
     for height, width in args.sizes or ():
         limits.check(height, width, f"--sizes {width}x{height}", args.max_pixels)
-    return ServeConfig(checkpoint, limits, args.sizes[0] if args.sizes else default, args.steps, args.max_steps,
-                       args.max_pixels, tp, world_size // (tp * pairs), pairs,
-                       args.dtype or ("float32" if device_type == "cpu" else "bfloat16"),
-                       sizes=args.sizes if args.compile else None)
+        config.check_split(height, width, f"--sizes {width}x{height}")
+    return config
 
 
 class _Signals:
@@ -160,10 +197,15 @@ def main(args: argparse.Namespace) -> int:
     config = plan_server(args, runtime.world_size, runtime.device_type)
     listener = _listen(args.host, args.port) if runtime.rank == 0 else None
     signals = _Signals(args.shutdown_timeout)
-    mesh = init_distributed(tp=config.tp, cfg=config.cfg, timeout_s=args.timeout)
+    mesh = init_distributed(tp=config.tp, ulysses=config.ulysses, ring=config.ring, cfg=config.cfg,
+                            timeout_s=args.timeout)
     front = _Front(config, args, listener, signals) if runtime.rank == 0 else None
+    liveness = Liveness(default_store(), runtime.rank, runtime.world_size, args.peer_timeout,
+                        on_failure=front.scheduler.fail if front is not None else lambda failure: None).start()
     try:
-        pipe = load_pipeline(config.checkpoint, mesh, torch_dtype=getattr(torch, config.dtype))
+        pipe = load_pipeline(config.checkpoint, mesh, torch_dtype=getattr(torch, config.dtype),
+                             cp_any_length=args.cp_any_length,
+                             parallel_vae=False if config.ulysses * config.ring > 1 else None)
         if args.compile:
             compile_repeated_blocks(pipe, backend=args.compile)
             warmup(pipe, list(args.sizes), num_inference_steps=2)
@@ -174,14 +216,16 @@ def main(args: argparse.Namespace) -> int:
             print(f"neuron-diffusers serve: ready: {config.replicas} replica(s) of tp={config.tp} cfg={config.cfg}",
                   file=sys.stderr, flush=True)
         channel = Channel(mesh["dp"].get_local_rank(), default_store())
-        serve_replica(pipe, channel, give_up=signals.past_deadline)
+        serve_replica(pipe, channel, give_up=lambda: signals.past_deadline() or liveness.failure is not None)
     except (dist.DistError, TimeoutError, RuntimeError) as error:
+        failure = liveness.failure or str(error)
         if front is not None:
-            front.scheduler.failure = str(error)
-        print(f"neuron-diffusers serve: error on rank {runtime.rank}: {error}", file=sys.stderr, flush=True)
+            front.scheduler.fail(failure)
+        print(f"neuron-diffusers serve: error on rank {runtime.rank}: {failure}", file=sys.stderr, flush=True)
         return 1
     if front is not None:
         front.join()
+    liveness.leave()
     leave_together(args.timeout)
     return 0
 

@@ -17,6 +17,7 @@ from ..checkpoint import Checkpoint
 from ..job import Request, build_requests, call_kwargs, settings_text
 from ..outputs import model_identity, settings_key
 from ..pipelines.base import MAX_SEED, SizeLimits
+from ..runner import check_context_parallel_call
 
 #: The most images one request may ask for (OpenAI's own limit for `n`).
 MAX_IMAGES = 10
@@ -62,6 +63,20 @@ class ServeConfig:
     dtype: str
     #: With `--compile`: the warmed (height, width) sizes, the only ones served (no request may recompile).
     sizes: tuple[tuple[int, int], ...] | None = None
+    ulysses: int = 1
+    ring: int = 1
+    #: Context parallelism with static splits: a size whose image tokens do not split is refused.
+    cp_split: bool = False
+
+    def check_split(self, height: int, width: int, where: str) -> None:
+        """Under context parallelism without *_anything modes: refuse a size whose tokens `generate` could not split
+        (the message names sizes nearby that do)."""
+        if self.cp_split:
+            try:
+                check_context_parallel_call(self.checkpoint.adapter, self.checkpoint,
+                                            {"height": height, "width": width}, self.ulysses * self.ring)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,7 @@ def plan_work(body: ImageRequest, config: ServeConfig) -> Work:
         raise ValueError(f"size {width}x{height} is not served: the model was compiled for {allowed} only (a new "
                          "size would recompile it mid-request). Ask for one of those, or restart the server with "
                          "--sizes including it.")
+    config.check_split(height, width, f"size {width}x{height}")
     steps = config.default_steps if body.num_inference_steps is None else body.num_inference_steps
     if steps > config.max_steps:
         raise ValueError(f"num_inference_steps {steps} is above this server's limit of {config.max_steps} "
@@ -110,7 +126,8 @@ def plan_work(body: ImageRequest, config: ServeConfig) -> Work:
     model = model_identity(config.checkpoint.source)
     texts = [settings_text(r, model=config.checkpoint.source, pipeline=config.checkpoint.pipeline_class, tp=config.tp,
                            dp=config.replicas, cfg=cfg, dtype=config.dtype, loras=[],
-                           key=settings_key(r, model=model, dtype=config.dtype))
+                           key=settings_key(r, model=model, dtype=config.dtype), ulysses=config.ulysses,
+                           ring=config.ring)
              for r in requests]
     return Work(requests, body.response_format, texts, call_kwargs(requests[0], adapter))
 
