@@ -14,27 +14,29 @@ import time
 import httpx
 import numpy as np
 import pytest
+import serve_jobs
 from fastapi.testclient import TestClient
 from PIL import Image
 from torch.distributed import HashStore
 
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.cli import main
-from neuron_diffusers.job import Request, settings_text
+from neuron_diffusers.job import Request, build_requests, settings_text
 from neuron_diffusers.media import png_bytes
 from neuron_diffusers.outputs import model_identity, settings_key
 from neuron_diffusers.serve import liveness
-from neuron_diffusers.serve.app import GENERATIONS, build_app
+from neuron_diffusers.serve.app import EDITS, GENERATIONS, build_app
 from neuron_diffusers.serve.channel import Channel
 from neuron_diffusers.serve.liveness import Liveness
 from neuron_diffusers.serve.metrics import Metrics
-from neuron_diffusers.serve.request import ImageRequest, ServeConfig, plan_work
+from neuron_diffusers.serve.request import EditRequest, ImageRequest, ServeConfig, Upload, plan_work
 from neuron_diffusers.serve.scheduler import Scheduler
 from neuron_diffusers.tools.bench.serve import ServerProcess
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 
-def _config(model="flux", sizes=None, cfg=1):
-    checkpoint = resolve(model)
+def _config(model="flux", sizes=None, cfg=1, pipeline=None):
+    checkpoint = resolve(model, pipeline)
     return ServeConfig(checkpoint, checkpoint.adapter.size_limits(checkpoint), (32, 32), 2, 50, 2048 * 2048, 2, 1,
                        cfg, "float32", sizes=sizes)
 
@@ -169,12 +171,88 @@ def test_a_silent_rank_fails_health_the_queue_and_every_rank(monkeypatch):
     assert refused.status_code == 503 and "rank 1 is gone" in refused.json()["error"]["message"]
 
 
+def _png(size=(32, 32), colour="red") -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_edits_take_image_inputs_and_refuse_what_the_pipeline_cannot_take(tmp_path):
+    """`POST /v1/images/edits` (multipart, OpenAI's): its refusals in one process, then one edit made by the replica
+    loop on a spawned rank, which must be the job's image for the same input file and carry the job's settings."""
+    store, metrics = HashStore(), Metrics()
+    img2img = _config(pipeline="FluxImg2ImgPipeline")
+    scheduler = Scheduler([Channel(0, store)], max_queue=4, metrics=metrics)
+    scheduler.ready.set()
+    client = TestClient(build_app(img2img, scheduler, metrics, request_timeout_s=30))
+    text_only = TestClient(build_app(_config(), scheduler, metrics, request_timeout_s=30))
+    inpaint = TestClient(build_app(_config(pipeline="FluxInpaintPipeline"), scheduler, metrics, request_timeout_s=30))
+    image = ("fox.png", _png(), "image/png")
+
+    def refused(app_client, path, expected, **kwargs):
+        response = app_client.post(path, **kwargs)
+        assert response.status_code == 400, response.text
+        assert expected in response.json()["error"]["message"], response.json()
+        return response
+
+    refused(text_only, EDITS, "FluxPipeline is a text-to-image class and takes no `image`",
+            data={"prompt": "a fox"}, files={"image": image})
+    refused(client, GENERATIONS, "/v1/images/edits", json={"prompt": "a fox"})
+    refused(client, EDITS, "multipart/form-data", json={"prompt": "a fox"})
+    refused(client, EDITS, "no `image` file", data={"prompt": "a fox"}, files={"mask": ("m.png", _png(), "image/png")})
+    refused(client, EDITS, "unexpected file field 'other'", data={"prompt": "a fox"},
+            files=[("image", image), ("other", ("x", b"x", "text/plain"))])
+    refused(client, EDITS, "not an image PIL can read", data={"prompt": "a fox"},
+            files={"image": ("fox.png", b"not a png", "image/png")})
+    refused(client, EDITS, "colour", data={"prompt": "a fox", "colour": "red"}, files={"image": image})
+    refused(client, EDITS, "(0, 1]", data={"prompt": "a fox", "strength": "2"}, files={"image": image})
+    refused(client, EDITS, "finite", data={"prompt": "a fox", "strength": "nan"}, files={"image": image})
+    refused(client, EDITS, "takes one input image", data={"prompt": "a fox"}, files=[("image", image)] * 2)
+    refused(TestClient(build_app(_config(sizes=((32, 32),)), scheduler, metrics, request_timeout_s=30)), EDITS,
+            "compiled (--compile) for text-to-image", data={"prompt": "a fox"}, files={"image": image})
+    refused(inpaint, EDITS, "give a mask of the image's size", data={"prompt": "a fox"},
+            files={"image": image, "mask": ("mask.png", _png((16, 16), "white"), "image/png")})
+    assert scheduler.queue.qsize() == 0  # nothing reached a replica
+
+    # A good edit: what travels to the replica, and the answer (a fake replica answers here).
+    replica = threading.Thread(target=_fake_replica, args=(Channel(0, store), 1))
+    replica.start()
+    scheduler.start()
+    # 0.8, not FluxImg2ImgPipeline's default 0.6: a strength lost on the way would show in the image below.
+    answer = client.post(EDITS, data={"prompt": "a red fox", "seed": "3", "strength": "0.8", "n": "1"},
+                         files={"image": image})
+    replica.join(10)
+    scheduler.stop()
+    assert answer.status_code == 200, answer.text
+    pixels, text = _b64_pixels(answer.json()["data"][0])
+    assert text["strength"] == "0.8" and text["pipeline"] == "FluxImg2ImgPipeline" and "sha256" in text["images"]
+
+    # The job's Request for the same input file, and its settings: the server's are the same.
+    (tmp_path / "fox.png").write_bytes(_png())
+    job_request = build_requests([{"prompt": "a red fox", "_where": "line 1"}], seed=3, height=32, width=32, steps=2,
+                                 guidance=None, negative_prompt=None, limits=img2img.limits,
+                                 adapter=img2img.checkpoint.adapter, images=[tmp_path / "fox.png"], strength=0.8)[0]
+    work = plan_work(EditRequest(prompt="a red fox", seed=3, strength=0.8), img2img,
+                     (Upload("fox.png", _png()),))
+    key = settings_key(job_request, model=model_identity("flux"), dtype="float32", pipeline="FluxImg2ImgPipeline")
+    assert work.texts[0]["settings_digest"] == settings_text(
+        job_request, model="flux", pipeline="FluxImg2ImgPipeline", tp=2, dp=1, cfg=1, dtype="float32", loras=[],
+        key=key)["settings_digest"]
+    served, job_pixels = run_on_cpu_ranks(serve_jobs.replica_and_job_edit, 1, "flux", "FluxImg2ImgPipeline",
+                                          work.task(), job_request, timeout_s=300)[0]
+    served_image = Image.open(io.BytesIO(served))
+    assert np.array_equal(np.asarray(served_image.convert("RGB")), job_pixels), "not the job's image"
+    assert served_image.text["settings_digest"] == work.texts[0]["settings_digest"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--compile", "--port", "0"], "--sizes"),
     (["serve", "--model", "h3", "--port", "0"], "generate"),
     (["serve", "--sizes", "32x33", "--port", "0"], "multiples of 16"),
     (["serve", "--ulysses", "2", "--port", "0"], "does not divide the world size 1"),
     (["serve", "--peer-timeout", "700", "--port", "0"], "Lower --peer-timeout"),
+    (["serve", "--pipeline", "FluxKontextPipeline", "--compile", "--sizes", "32x32", "--port", "0"],
+     "change the compiled shapes"),
     (["bench", "serve", "--requests", "2000"], "bounded"),
 ])
 def test_bad_command_lines_exit_2_before_anything_starts(argv, message, capsys):

@@ -1,5 +1,5 @@
-"""The HTTP side (FastAPI, on global rank 0): OpenAI's `POST /v1/images/generations`, `GET /health`, `GET /ready`,
-`GET /metrics`.
+"""The HTTP side (FastAPI, on global rank 0): OpenAI's `POST /v1/images/generations` and `POST /v1/images/edits`
+(a multipart form with the input `image` files and a `mask`), `GET /health`, `GET /ready`, `GET /metrics`.
 
 Every refusal is a JSON body in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400 for a body
 that is not valid JSON, has unknown fields, values of the wrong type or out of range, or settings the model cannot
@@ -18,13 +18,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
 from .metrics import Metrics
-from .request import ImageRequest, ServeConfig, plan_work
+from .request import MAX_IMAGES, MAX_UPLOAD_BYTES, EditRequest, ImageRequest, ServeConfig, Upload, Work, plan_work
 from .scheduler import NotAccepting, QueueFull, Scheduler
 
 GENERATIONS = "/v1/images/generations"
+EDITS = "/v1/images/edits"
+#: The form's file fields: `image` (repeated, or OpenAI's `image[]`, for reference images) and `mask`.
+IMAGE_FIELDS = ("image", "image[]")
 
 
 def error(status: int, message: str, kind: str, *, param: str | None = None, headers: dict | None = None,
@@ -33,7 +38,7 @@ def error(status: int, message: str, kind: str, *, param: str | None = None, hea
                         status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
     """One line for pydantic's list of errors: where, and what is wrong there."""
     parts, param = [], None
     for item in exc.errors():
@@ -84,14 +89,64 @@ def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, reque
     async def prometheus():
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+    def refuse(message: str, param: str | None = None) -> JSONResponse:
+        metrics.errors.labels("invalid_request").inc()
+        return error(400, message, "invalid_request", param=param)
+
     @app.post(GENERATIONS)
     async def generations(body: ImageRequest):
         arrived = time.perf_counter()
         try:
             work = plan_work(body, config)
         except ValueError as exc:
-            metrics.errors.labels("invalid_request").inc()
-            return error(400, str(exc), "invalid_request")
+            return refuse(str(exc))
+        return await answer(work, arrived)
+
+    @app.post(EDITS)
+    async def edits(request: Request):
+        arrived = time.perf_counter()
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > (MAX_IMAGES + 1) * MAX_UPLOAD_BYTES:
+            return refuse(f"the body is larger than {MAX_IMAGES + 1} files of {MAX_UPLOAD_BYTES} bytes: send smaller "
+                          "images.")
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            return refuse("POST /v1/images/edits takes a multipart/form-data body (OpenAI's): the `image` file(s), "
+                          "an optional `mask` file, and the text fields (`prompt`, `n`, `size`, ...).")
+        try:
+            form = await request.form(max_files=MAX_IMAGES + 1, max_fields=32, max_part_size=MAX_UPLOAD_BYTES)
+        except Exception as exc:  # starlette's MultiPartException and the parser's errors: a malformed body
+            return refuse(f"the body is not a valid multipart form ({exc})")
+        try:
+            fields, images, mask = {}, [], None
+            for name, value in form.multi_items():
+                if isinstance(value, UploadFile):
+                    if name not in (*IMAGE_FIELDS, "mask") or (name == "mask" and mask is not None):
+                        return refuse(f"unexpected file field {name!r}: send `image` (repeat it for reference "
+                                      "images) and at most one `mask`.", name)
+                    upload = Upload(value.filename or name, await value.read())
+                    if name == "mask":
+                        mask = upload
+                    else:
+                        images.append(upload)
+                elif name in fields or name in (*IMAGE_FIELDS, "mask"):
+                    return refuse(f"field {name!r} is given twice, or as text where a file belongs.", name)
+                else:
+                    fields[name] = value
+        finally:
+            await form.close()
+        if not images:
+            return refuse("no `image` file: an edit needs its input image (multipart field `image`).", "image")
+        try:
+            body = EditRequest.model_validate(fields, strict=False)  # a form's values are all text
+            work = plan_work(body, config, tuple(images), mask)
+        except ValidationError as exc:
+            message, param = _validation_message(exc)
+            return refuse(message, param)
+        except ValueError as exc:
+            return refuse(str(exc))
+        return await answer(work, arrived)
+
+    async def answer(work: Work, arrived: float):
         try:
             future = scheduler.submit(work.task(), len(work.requests))
         except QueueFull as exc:

@@ -50,7 +50,7 @@ from .liveness import Liveness
 from .replica import serve_replica
 
 #: The `serve` extra's modules (pyproject.toml).
-WEB_STACK = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+WEB_STACK = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "python_multipart")
 
 
 def size_list(value: str) -> tuple[tuple[int, int], ...]:
@@ -135,6 +135,10 @@ def plan_server(args, world_size: int, device_type: str):
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
     adapter = checkpoint.adapter
+    if args.compile and not adapter.own_class:
+        raise ValueError(f"--compile with --pipeline {checkpoint.pipeline_class}: its requests carry input images, "
+                         "which change the compiled shapes (a recompile mid-request). Drop --compile, or serve the "
+                         "checkpoint's own class.")
     if adapter.output_suffix != ".png":
         raise ValueError(f"{adapter.pipeline_class} makes {adapter.output_suffix} files, and the server answers with "
                          "images only: use `neuron-diffusers generate` for it.")
