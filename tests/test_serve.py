@@ -27,6 +27,7 @@ from neuron_diffusers.outputs import model_identity, settings_key
 from neuron_diffusers.serve import liveness
 from neuron_diffusers.serve.app import EDITS, GENERATIONS, build_app
 from neuron_diffusers.serve.channel import Channel
+from neuron_diffusers.serve.files import ImageFiles
 from neuron_diffusers.serve.liveness import Liveness
 from neuron_diffusers.serve.metrics import Metrics
 from neuron_diffusers.serve.request import EditRequest, ImageRequest, ServeConfig, Upload, plan_work
@@ -169,6 +170,32 @@ def test_a_silent_rank_fails_health_the_queue_and_every_rank(monkeypatch):
     assert waiting.result(1)["error"]["status"] == 503
     refused = client.post(GENERATIONS, json={"prompt": "a fox"})
     assert refused.status_code == 503 and "rank 1 is gone" in refused.json()["error"]["message"]
+
+
+def test_url_answers_are_kept_files_bounded_by_keep(tmp_path):
+    store, metrics = HashStore(), Metrics()
+    scheduler = Scheduler([Channel(0, store)], max_queue=4, metrics=metrics)
+    scheduler.ready.set()
+    (tmp_path / f"{'0' * 32}.png").write_bytes(b"an earlier run's image")  # counts toward --keep, oldest
+    client = TestClient(build_app(_config(), scheduler, metrics, request_timeout_s=30,
+                                  files=ImageFiles(tmp_path, keep=2)))
+    replica = threading.Thread(target=_fake_replica, args=(Channel(0, store), 2))
+    replica.start()
+    scheduler.start()
+    first = client.post(GENERATIONS, json={"prompt": "a fox", "seed": 1, "response_format": "url"}).json()
+    second = client.post(GENERATIONS, json={"prompt": "a fox", "seed": 2, "n": 1, "response_format": "url"}).json()
+    replica.join(10)
+    scheduler.stop()
+    urls = [first["data"][0]["url"], second["data"][0]["url"]]
+    assert all(url.startswith("http://testserver/v1/images/files/") for url in urls), urls
+    assert client.get(f"/v1/images/files/{'0' * 32}.png").status_code == 404  # dropped: over --keep 2
+    for url, seed in zip(urls, (1, 2), strict=True):
+        kept = client.get(url)
+        assert kept.status_code == 200 and kept.headers["content-type"] == "image/png"
+        assert Image.open(io.BytesIO(kept.content)).text["seed"] == str(seed)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(url.rsplit("/", 1)[1] for url in urls)
+    for name in ("..%2Fsecret.png", "x.png", "%2E%2E"):
+        assert client.get(f"/v1/images/files/{name}").status_code == 404
 
 
 def _png(size=(32, 32), colour="red") -> bytes:

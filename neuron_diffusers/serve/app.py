@@ -1,5 +1,6 @@
 """The HTTP side (FastAPI, on global rank 0): OpenAI's `POST /v1/images/generations` and `POST /v1/images/edits`
-(a multipart form with the input `image` files and a `mask`), `GET /health`, `GET /ready`, `GET /metrics`.
+(a multipart form with the input `image` files and a `mask`), `GET /v1/images/files/{name}` (the images of
+`response_format: "url"` with `--out`, see `files.py`), `GET /health`, `GET /ready`, `GET /metrics`.
 
 Every refusal is a JSON body in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400 for a body
 that is not valid JSON, has unknown fields, values of the wrong type or out of range, or settings the model cannot
@@ -16,18 +17,20 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
+from .files import ImageFiles
 from .metrics import Metrics
 from .request import MAX_IMAGES, MAX_UPLOAD_BYTES, EditRequest, ImageRequest, ServeConfig, Upload, Work, plan_work
 from .scheduler import NotAccepting, QueueFull, Scheduler
 
 GENERATIONS = "/v1/images/generations"
 EDITS = "/v1/images/edits"
+FILES = "/v1/images/files"
 #: The form's file fields: `image` (repeated, or OpenAI's `image[]`, for reference images) and `mask`.
 IMAGE_FIELDS = ("image", "image[]")
 
@@ -51,7 +54,8 @@ def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[
     return "; ".join(parts), param
 
 
-def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, request_timeout_s: float) -> FastAPI:
+def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, request_timeout_s: float,
+              files: ImageFiles | None = None) -> FastAPI:
     app = FastAPI(title="neuron-diffusers", description="OpenAI-style image generation over a device mesh.",
                   docs_url=None, redoc_url=None)
 
@@ -93,14 +97,22 @@ def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, reque
         metrics.errors.labels("invalid_request").inc()
         return error(400, message, "invalid_request", param=param)
 
+    @app.get(FILES + "/{name}", name="image_file")
+    async def image_file(name: str):
+        path = files.path(name) if files is not None else None
+        if path is None:
+            return error(404, f"no image {name!r}: it was never made here, or it is older than the last --keep "
+                         "images", "not_found")
+        return FileResponse(path, media_type="image/png")
+
     @app.post(GENERATIONS)
-    async def generations(body: ImageRequest):
+    async def generations(body: ImageRequest, request: Request):
         arrived = time.perf_counter()
         try:
             work = plan_work(body, config)
         except ValueError as exc:
             return refuse(str(exc))
-        return await answer(work, arrived)
+        return await answer(work, arrived, request)
 
     @app.post(EDITS)
     async def edits(request: Request):
@@ -144,9 +156,9 @@ def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, reque
             return refuse(message, param)
         except ValueError as exc:
             return refuse(str(exc))
-        return await answer(work, arrived)
+        return await answer(work, arrived, request)
 
-    async def answer(work: Work, arrived: float):
+    async def answer(work: Work, arrived: float, request: Request):
         try:
             future = scheduler.submit(work.task(), len(work.requests))
         except QueueFull as exc:
@@ -170,17 +182,26 @@ def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, reque
             metrics.errors.labels(failure["kind"]).inc()
             return error(failure["status"], failure["message"], failure["kind"], error_type=failure["type"])
         metrics.images.inc(len(result["images"]))
-        return {"created": int(time.time()), "data": [_item(png, work.response_format, request.seed)
-                                                      for png, request in zip(result["images"], work.requests,
-                                                                              strict=True)]}
+        items = []
+        for png, made in zip(result["images"], work.requests, strict=True):
+            # Plus the seed it was made from (an extension: a request without `seed` gets a random one).
+            try:
+                items.append({**await _image(png, work.response_format, request), "seed": made.seed})
+            except OSError as exc:  # --out full or gone: this answer fails, the server goes on
+                metrics.errors.labels("storage").inc()
+                return error(500, f"cannot keep the image in --out ({exc.strerror or exc}); ask with "
+                             "response_format b64_json meanwhile", "storage", error_type="server_error")
+        return {"created": int(time.time()), "data": items}
+
+    async def _image(png: bytes, response_format: str, request: Request) -> dict:
+        """One image of the answer: base64 PNG; or (`url`) a URL of this server with `--out`, else the same PNG as
+        a `data:` URL."""
+        if response_format == "url" and files is not None:
+            name = await asyncio.to_thread(files.add, png)
+            return {"url": str(request.url_for("image_file", name=name))}
+        encoded = base64.b64encode(png).decode("ascii")
+        if response_format == "url":
+            return {"url": f"data:image/png;base64,{encoded}"}
+        return {"b64_json": encoded}
 
     return app
-
-
-def _item(png: bytes, response_format: str, seed: int) -> dict:
-    """One image of the answer: base64 PNG, or (`url`) the same PNG as a `data:` URL, since the server keeps no
-    files; plus the seed it was made from (an extension: a request without `seed` gets a random one)."""
-    encoded = base64.b64encode(png).decode("ascii")
-    if response_format == "url":
-        return {"url": f"data:image/png;base64,{encoded}", "seed": seed}
-    return {"b64_json": encoded, "seed": seed}

@@ -42,7 +42,7 @@ from ..distributed import (
     init_distributed,
     leave_together,
 )
-from ..job import DEFAULT_MAX_PIXELS, DTYPES
+from ..job import DEFAULT_MAX_PIXELS, DTYPES, check_out_dir, out_folder
 from ..parallel import context
 from ..runner import load_pipeline
 from .channel import Channel
@@ -91,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a request may take before it is answered 504")
     parser.add_argument("--shutdown-timeout", type=positive_float, default=60.0,
                         help="after SIGTERM: seconds the requests in flight and queued may take to finish")
+    parser.add_argument("--out", type=out_folder, default=None, metavar="DIR",
+                        help="keep the images of `response_format: url` requests here and answer with http URLs "
+                             "(GET /v1/images/files/NAME); without it such a URL is a data: URL")
+    parser.add_argument("--keep", type=positive_int, default=1000,
+                        help="with --out: the most images kept there; the oldest are deleted")
     parser.add_argument("--steps", type=positive_int, default=4, help="num_inference_steps when a request sets none")
     parser.add_argument("--max-steps", type=positive_int, default=100, help="refuse requests with more steps")
     parser.add_argument("--sizes", type=size_list, default=None,
@@ -121,6 +126,8 @@ def plan_server(args, world_size: int, device_type: str):
         resolve_backend(args.compile)
         if args.sizes is None:
             raise ValueError("--compile serves only the sizes it warmed up: give them with --sizes WIDTHxHEIGHT[,...].")
+    if args.out is not None:
+        check_out_dir(args.out)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a port: use 0 .. 65535 (0 picks a free one).")
     if args.peer_timeout > args.timeout:
@@ -254,6 +261,7 @@ class _Front:
         import uvicorn
 
         from .app import build_app
+        from .files import ImageFiles
         from .metrics import Metrics
         from .scheduler import Scheduler
 
@@ -261,7 +269,8 @@ class _Front:
         store = default_store()
         self.scheduler = Scheduler([Channel(r, store) for r in range(config.replicas)], args.max_queue,
                                    metrics)
-        app = build_app(config, self.scheduler, metrics, args.request_timeout)
+        files = ImageFiles(args.out, args.keep) if args.out is not None else None
+        app = build_app(config, self.scheduler, metrics, args.request_timeout, files)
         self.http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
                                                   timeout_graceful_shutdown=args.shutdown_timeout))
         signals.http = self.http
