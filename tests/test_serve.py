@@ -3,6 +3,7 @@
 
 import asyncio
 import base64
+import dataclasses
 import io
 import os
 import socket
@@ -12,6 +13,7 @@ import threading
 import time
 
 import httpx
+import lora_files
 import numpy as np
 import pytest
 import serve_jobs
@@ -19,11 +21,13 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from torch.distributed import HashStore
 
+from neuron_diffusers import tiny
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.cli import main
 from neuron_diffusers.job import Request, build_requests, settings_text
 from neuron_diffusers.media import png_bytes
 from neuron_diffusers.outputs import model_identity, settings_key
+from neuron_diffusers.parallel.lora import LoraSpec
 from neuron_diffusers.serve import liveness
 from neuron_diffusers.serve.app import EDITS, GENERATIONS, build_app
 from neuron_diffusers.serve.channel import Channel
@@ -204,9 +208,10 @@ def _png(size=(32, 32), colour="red") -> bytes:
     return buffer.getvalue()
 
 
-def test_edits_take_image_inputs_and_refuse_what_the_pipeline_cannot_take(tmp_path):
-    """`POST /v1/images/edits` (multipart, OpenAI's): its refusals in one process, then one edit made by the replica
-    loop on a spawned rank, which must be the job's image for the same input file and carry the job's settings."""
+def test_edits_and_loras_refusals_then_the_jobs_images_on_a_replica(tmp_path):
+    """`POST /v1/images/edits` (multipart, OpenAI's) and per-request LoRAs: refusals in one process, then the replica
+    loop on a spawned rank makes an edit with a LoRA and one without: each the job's image for the same input file
+    and LoRA, with the job's settings."""
     store, metrics = HashStore(), Metrics()
     img2img = _config(pipeline="FluxImg2ImgPipeline")
     scheduler = Scheduler([Channel(0, store)], max_queue=4, metrics=metrics)
@@ -265,11 +270,35 @@ def test_edits_take_image_inputs_and_refuse_what_the_pipeline_cannot_take(tmp_pa
     assert work.texts[0]["settings_digest"] == settings_text(
         job_request, model="flux", pipeline="FluxImg2ImgPipeline", tp=2, dp=1, cfg=1, dtype="float32", loras=[],
         key=key)["settings_digest"]
-    served, job_pixels = run_on_cpu_ranks(serve_jobs.replica_and_job_edit, 1, "flux", "FluxImg2ImgPipeline",
-                                          work.task(), job_request, timeout_s=300)[0]
-    served_image = Image.open(io.BytesIO(served))
-    assert np.array_equal(np.asarray(served_image.convert("RGB")), job_pixels), "not the job's image"
-    assert served_image.text["settings_digest"] == work.texts[0]["settings_digest"]
+
+    # Per-request LoRAs: the server offers "ink" (--lora ink=PATH:0.5); a request picks it by name, at its own scale.
+    transformer = resolve("flux").transformer_class().from_pretrained(str(tiny.cached_tiny("flux")),
+                                                                      subfolder="transformer")
+    lora_path = lora_files.save_peft(tmp_path / "ink.safetensors",
+                                     lora_files.factors(lora_files.linears(transformer), 4, seed=1), alpha=4)
+    ink = LoraSpec(lora_path, 0.5)
+    with_lora = dataclasses.replace(img2img, loras={"ink": ink.record()})
+    with pytest.raises(ValueError, match="unknown LoRA 'oil': this server offers ink"):
+        plan_work(EditRequest(prompt="a fox", loras=[{"name": "oil"}]), with_lora, (Upload("fox.png", _png()),))
+    inked = plan_work(EditRequest(prompt="a red fox", seed=3, strength=0.8, loras=[{"name": "ink", "scale": 1.5}]),
+                      with_lora, (Upload("fox.png", _png()),))
+    record = LoraSpec(lora_path, 1.5).record()
+    key = settings_key(job_request, model=model_identity("flux"), dtype="float32", pipeline="FluxImg2ImgPipeline",
+                       loras=[{"sha256": record["sha256"], "scale": 1.5}])
+    job_text = settings_text(job_request, model="flux", pipeline="FluxImg2ImgPipeline", tp=2, dp=1, cfg=1,
+                             dtype="float32", loras=[record], key=key)
+    # Everything alike but the input's path (the upload's name; the key holds its sha256 only).
+    assert {**inked.texts[0], "images": None} == {**job_text, "images": None}
+
+    made = run_on_cpu_ranks(serve_jobs.replica_and_job, 1, "flux", "FluxImg2ImgPipeline",
+                            [(inked.task(), [(lora_path, 1.5)]), (work.task(), [])], job_request, timeout_s=300)[0]
+    pixels = []
+    for (served, job_pixels), expected in zip(made, (inked, work), strict=True):
+        served_image = Image.open(io.BytesIO(served))
+        pixels.append(np.asarray(served_image.convert("RGB")))
+        assert np.array_equal(pixels[-1], job_pixels), "not the job's image"
+        assert served_image.text["settings_digest"] == expected.texts[0]["settings_digest"]
+    assert not np.array_equal(*pixels), "the LoRA changed nothing: the comparison above would prove nothing"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -278,6 +307,8 @@ def test_edits_take_image_inputs_and_refuse_what_the_pipeline_cannot_take(tmp_pa
     (["serve", "--sizes", "32x33", "--port", "0"], "multiples of 16"),
     (["serve", "--ulysses", "2", "--port", "0"], "does not divide the world size 1"),
     (["serve", "--peer-timeout", "700", "--port", "0"], "Lower --peer-timeout"),
+    (["serve", "--lora", "a=x.safetensors", "--lora", "a=y.safetensors", "--port", "0"], "a given twice"),
+    (["serve", "--lora", "a=missing.safetensors", "--port", "0"], "missing.safetensors"),
     (["serve", "--pipeline", "FluxKontextPipeline", "--compile", "--sizes", "32x32", "--port", "0"],
      "change the compiled shapes"),
     (["bench", "serve", "--requests", "2000"], "bounded"),

@@ -18,6 +18,7 @@ heartbeats when idle (`liveness.py`); `/health` answers 503 meanwhile.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import signal
 import socket
@@ -44,6 +45,7 @@ from ..distributed import (
 )
 from ..job import DEFAULT_MAX_PIXELS, DTYPES, check_out_dir, out_folder
 from ..parallel import context
+from ..parallel.lora import LoraSpec, check_loras, parse_lora_option
 from ..runner import load_pipeline
 from .channel import Channel
 from .liveness import Liveness
@@ -64,6 +66,15 @@ def size_list(value: str) -> tuple[tuple[int, int], ...]:
     return tuple(dict.fromkeys(sizes))
 
 
+def named_lora(value: str) -> tuple[str, LoraSpec]:
+    """An argparse type: `NAME=SOURCE[:SCALE]` (SOURCE as the job's `--lora`) -> (NAME, spec)."""
+    name, equals, source = value.partition("=")
+    if not equals or not name.strip() or not source.strip():
+        raise argparse.ArgumentTypeError(f"{value!r}: use NAME=PATH_OR_HUB_ID[:SCALE], e.g. style=loras/ink.safetensors"
+                                         ":0.8 (requests choose it by NAME)")
+    return name.strip(), parse_lora_option(source)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="flux",
                         help="checkpoint folder, or a tiny family name built offline (default: flux, a tiny FLUX.1)")
@@ -80,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline", default=None, metavar="CLASS",
                         help="the stock pipeline class to serve the checkpoint with (default: its index's), e.g. "
                              "FluxKontextPipeline, FluxImg2ImgPipeline: image inputs through POST /v1/images/edits")
+    parser.add_argument("--lora", type=named_lora, action="append", default=[], metavar="NAME=SOURCE[:SCALE]",
+                        help="a LoRA requests may choose by NAME ('loras': [{'name': NAME}]), read and checked at "
+                             "start; repeat for more. A request without loras runs the base weights")
     parser.add_argument("--cfg-parallel", action="store_true",
                         help="replicas are CFG pairs of TP groups: a request with true CFG computes cond and uncond "
                              "side by side")
@@ -178,7 +192,13 @@ def plan_server(args, world_size: int, device_type: str):
     for height, width in args.sizes or ():
         limits.check(height, width, f"--sizes {width}x{height}", args.max_pixels)
         config.check_split(height, width, f"--sizes {width}x{height}")
-    return config
+    names = [name for name, _ in args.lora]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--lora names must differ: {', '.join(sorted({n for n in names if names.count(n) > 1}))} "
+                         "given twice.")
+    # Last, the slowest: each file read and checked against the transformer's config (as the job does).
+    check_loras(checkpoint, [spec for _, spec in args.lora])
+    return dataclasses.replace(config, loras={name: spec.record() for name, spec in args.lora})
 
 
 class _Signals:

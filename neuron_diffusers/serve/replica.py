@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..distributed import is_replica_leader
 from ..media import png_bytes
+from ..parallel.lora import LoraSpec
 from ..runner import TPPipeline
 from .channel import Channel
 
@@ -44,6 +45,7 @@ def make(pipe: TPPipeline, task: dict, leader: bool) -> dict | None:
     before = dict(pipe.times.seconds)
     start = time.perf_counter()
     try:
+        _select_loras(pipe, task.get("loras", ()))
         outputs = pipe.generate(task["prompts"], seed=task["seed"], negative_prompt=task["negative_prompt"],
                                 **task["kwargs"], **image_inputs(task))
     except dist.DistError:  # a peer is gone: nothing is left to agree with
@@ -58,6 +60,14 @@ def make(pipe: TPPipeline, task: dict, leader: bool) -> dict | None:
     phases = {"generate": generated - start, "png": time.perf_counter() - generated,
               **{name: round(value, 6) for name, value in phases.items() if value > 0}}
     return {"images": images, "phases": phases}
+
+
+def _select_loras(pipe: TPPipeline, loras) -> None:
+    """Fuse the task's LoRAs when they are not the ones fused now (`set_loras` switches in place, agreed by the
+    replica's ranks: a LoRA that fails fails alike on all of them and leaves the previous set)."""
+    wanted = [LoraSpec(source, scale) for source, scale in loras]
+    if wanted != (pipe.loras.active if pipe.loras is not None else []):
+        pipe.set_loras(wanted)
 
 
 def error_record(error: BaseException) -> dict:

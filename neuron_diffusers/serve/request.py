@@ -32,10 +32,21 @@ MAX_IMAGES = 10
 #: Longer prompts are refused before any tokenizer sees them (each family's buckets cap the tokens anyway).
 MAX_PROMPT_CHARS = 20_000
 
+#: The most LoRAs one request may combine.
+MAX_LORAS = 8
 #: The most bytes one uploaded image (or mask) may have.
 MAX_UPLOAD_BYTES = 32 * 1024 * 1024
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class LoraChoice(BaseModel):
+    """One of the server's `--lora NAME=SOURCE[:SCALE]` by name, with its weight (default: the server's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=200)
+    scale: FiniteFloat | None = None
 
 
 class ImageRequest(BaseModel):
@@ -56,6 +67,8 @@ class ImageRequest(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: FiniteFloat | None = None
     true_cfg_scale: FiniteFloat | None = None
+    #: Extension: LoRAs to apply, among the ones the server offers (fused per request, group-consistently).
+    loras: list[LoraChoice] = Field(default_factory=list, max_length=MAX_LORAS)
 
 
 class EditRequest(ImageRequest):
@@ -93,6 +106,8 @@ class ServeConfig:
     ring: int = 1
     #: Context parallelism with static splits: a size whose image tokens do not split is refused.
     cp_split: bool = False
+    #: `--lora NAME=SOURCE[:SCALE]`: name -> {"source", "scale", "sha256"} (read and checked at start).
+    loras: dict = dataclasses.field(default_factory=dict)
 
     def check_split(self, height: int, width: int, where: str) -> None:
         """Under context parallelism without *_anything modes: refuse a size whose tokens `generate` could not split
@@ -118,13 +133,15 @@ class Work:
     #: The input images' and the mask's bytes (decoded again on every rank of the replica).
     images: tuple[bytes, ...] = ()
     mask: bytes | None = None
+    #: The LoRAs to fuse for it, `(source, scale)` (none: the base weights).
+    loras: tuple[tuple[str, float], ...] = ()
 
     def task(self) -> dict:
         """What travels to the replica: the arguments of one `generate` call, the same on every rank."""
         first = self.requests[0]
         return {"prompts": [r.prompt for r in self.requests], "seed": first.seed,
                 "negative_prompt": first.negative_prompt, "kwargs": self.kwargs, "texts": self.texts,
-                "images": self.images, "mask": self.mask}
+                "images": self.images, "mask": self.mask, "loras": self.loras}
 
 
 def _read_upload(upload: Upload, what: str) -> tuple[PIL.Image.Image, InputImage]:
@@ -183,18 +200,33 @@ def plan_work(body: ImageRequest, config: ServeConfig, images: tuple[Upload, ...
                                     strength=strength) for r in requests]
     cfg = 2 if config.cfg > 1 and adapter.uses_true_cfg(requests[0].negative_prompt,
                                                          call_kwargs(requests[0], adapter)) else 1
+    loras = _loras(body.loras, config)
     model = model_identity(config.checkpoint.source)
     # The pipeline class is in the key when it is not the index's own (img2img, Kontext...), as in the job's.
     own_class = config.checkpoint.pipeline_class == config.checkpoint.pipeline_class_name
     pipeline = None if own_class else config.checkpoint.pipeline_class
     texts = [settings_text(r, model=config.checkpoint.source, pipeline=config.checkpoint.pipeline_class, tp=config.tp,
-                           dp=config.replicas, cfg=cfg, dtype=config.dtype, loras=[],
-                           key=settings_key(r, model=model, dtype=config.dtype, pipeline=pipeline),
+                           dp=config.replicas, cfg=cfg, dtype=config.dtype, loras=loras,
+                           key=settings_key(r, model=model, dtype=config.dtype, pipeline=pipeline,
+                                            loras=[{"sha256": lora["sha256"], "scale": lora["scale"]}
+                                                   for lora in loras]),
                            ulysses=config.ulysses, ring=config.ring)
              for r in requests]
     kwargs = call_kwargs(requests[0], adapter) | ({} if strength is None else {"strength": strength})
     return Work(requests, body.response_format, texts, kwargs, tuple(upload.data for upload in images),
-                None if mask is None else mask.data)
+                None if mask is None else mask.data, tuple((lora["source"], lora["scale"]) for lora in loras))
+
+
+def _loras(choices: list[LoraChoice], config: ServeConfig) -> list[dict]:
+    """The records (source, scale, sha256: what the job's outputs record) of the LoRAs a request chose."""
+    records = []
+    for choice in choices:
+        if choice.name not in config.loras:
+            offered = ", ".join(sorted(config.loras)) or "none (start it with --lora NAME=SOURCE[:SCALE])"
+            raise ValueError(f"unknown LoRA {choice.name!r}: this server offers {offered}.")
+        record = config.loras[choice.name]
+        records.append({**record, "scale": record["scale"] if choice.scale is None else choice.scale})
+    return records
 
 
 def _guidance(body: ImageRequest, adapter) -> dict:
