@@ -239,6 +239,9 @@ def test_edits_and_loras_refusals_then_the_jobs_images_on_a_replica(tmp_path):
     refused(client, EDITS, "colour", data={"prompt": "a fox", "colour": "red"}, files={"image": image})
     refused(client, EDITS, "(0, 1]", data={"prompt": "a fox", "strength": "2"}, files={"image": image})
     refused(client, EDITS, "finite", data={"prompt": "a fox", "strength": "nan"}, files={"image": image})
+    refused(client, EDITS, "holds it as JSON", data={"prompt": "a fox", "loras": "ink"}, files={"image": image})
+    refused(client, EDITS, "unknown LoRA 'ink'", data={"prompt": "a fox", "loras": '[{"name": "ink"}]'},
+            files={"image": image})
     refused(client, EDITS, "takes one input image", data={"prompt": "a fox"}, files=[("image", image)] * 2)
     refused(TestClient(build_app(_config(sizes=((32, 32),)), scheduler, metrics, request_timeout_s=30)), EDITS,
             "compiled (--compile) for text-to-image", data={"prompt": "a fox"}, files={"image": image})

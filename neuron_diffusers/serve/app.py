@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 
 from fastapi import FastAPI, Request
@@ -135,7 +136,7 @@ def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, reque
                     if name not in (*IMAGE_FIELDS, "mask") or (name == "mask" and mask is not None):
                         return refuse(f"unexpected file field {name!r}: send `image` (repeat it for reference "
                                       "images) and at most one `mask`.", name)
-                    upload = Upload(value.filename or name, await value.read())
+                    upload = Upload((value.filename or name)[:200], await value.read())
                     if name == "mask":
                         mask = upload
                     else:
@@ -148,6 +149,11 @@ def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, reque
             await form.close()
         if not images:
             return refuse("no `image` file: an edit needs its input image (multipart field `image`).", "image")
+        if "loras" in fields:  # a list has no form encoding: the field holds its JSON
+            try:
+                fields["loras"] = json.loads(fields["loras"])
+            except ValueError:
+                return refuse('loras: a form field holds it as JSON, e.g. [{"name": "ink", "scale": 0.8}]', "loras")
         try:
             body = EditRequest.model_validate(fields, strict=False)  # a form's values are all text
             work = plan_work(body, config, tuple(images), mask)

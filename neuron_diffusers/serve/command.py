@@ -172,6 +172,7 @@ def plan_server(args, world_size: int, device_type: str):
                          "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
                          "--cfg-parallel.")
     check_cfg_degree(pairs, tp, world_size)
+    check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs)
     mode = context.runner_mode(checkpoint.family.display_name, adapter.cp_text, args.ulysses, args.ring,
                                args.cp_any_length) if cp > 1 else None
     if mode is not None:
@@ -244,8 +245,8 @@ def main(args: argparse.Namespace) -> int:
         CallEntry(list(range(runtime.world_size)), "serve ready", timeout_s=None).enter([config.checkpoint.source])
         if front is not None:
             front.scheduler.ready.set()
-            print(f"neuron-diffusers serve: ready: {config.replicas} replica(s) of tp={config.tp} cfg={config.cfg}",
-                  file=sys.stderr, flush=True)
+            print(f"neuron-diffusers serve: ready: {config.replicas} replica(s) of tp={config.tp} ulysses="
+                  f"{config.ulysses} ring={config.ring} cfg={config.cfg}", file=sys.stderr, flush=True)
         channel = Channel(mesh["dp"].get_local_rank(), default_store())
         serve_replica(pipe, channel, give_up=lambda: signals.past_deadline() or liveness.failure is not None)
     except (dist.DistError, TimeoutError, RuntimeError) as error:
@@ -257,6 +258,8 @@ def main(args: argparse.Namespace) -> int:
     if front is not None:
         front.join()
     liveness.leave()
+    if liveness.failure is not None:  # a rank died while the queue drained after a SIGTERM
+        return 1
     leave_together(args.timeout)
     return 0
 

@@ -193,9 +193,8 @@ def plan_work(body: ImageRequest, config: ServeConfig, images: tuple[Upload, ...
         pictures = [image for image, _ in decoded]
         check_image_kwargs(adapter, (pictures[0] if len(pictures) == 1 else pictures) or None, mask_image, strength)
     except (TypeError, ValueError) as error:
-        where = ("send the image to POST /v1/images/edits" if not images else
-                 "POST /v1/images/generations serves it without an image")
-        raise ValueError(f"{error} (Over HTTP: {where}.)") from None
+        hint = "" if images else " (Over HTTP: send the image to POST /v1/images/edits.)"
+        raise ValueError(f"{error}{hint}") from None
     requests = [dataclasses.replace(r, images=tuple(record for _, record in decoded), mask=mask_record,
                                     strength=strength) for r in requests]
     cfg = 2 if config.cfg > 1 and adapter.uses_true_cfg(requests[0].negative_prompt,
