@@ -3,34 +3,45 @@
 
 import asyncio
 import base64
+import dataclasses
 import io
+import os
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 import httpx
+import lora_files
 import numpy as np
 import pytest
+import serve_jobs
 from fastapi.testclient import TestClient
 from PIL import Image
 from torch.distributed import HashStore
 
+from neuron_diffusers import tiny
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.cli import main
-from neuron_diffusers.job import Request, settings_text
+from neuron_diffusers.job import Request, build_requests, settings_text
 from neuron_diffusers.media import png_bytes
 from neuron_diffusers.outputs import model_identity, settings_key
-from neuron_diffusers.serve.app import GENERATIONS, build_app
+from neuron_diffusers.parallel.lora import LoraSpec
+from neuron_diffusers.serve import liveness
+from neuron_diffusers.serve.app import EDITS, GENERATIONS, build_app
 from neuron_diffusers.serve.channel import Channel
+from neuron_diffusers.serve.files import ImageFiles
+from neuron_diffusers.serve.liveness import Liveness
 from neuron_diffusers.serve.metrics import Metrics
-from neuron_diffusers.serve.request import ImageRequest, ServeConfig, plan_work
+from neuron_diffusers.serve.request import EditRequest, ImageRequest, ServeConfig, Upload, plan_work
 from neuron_diffusers.serve.scheduler import Scheduler
 from neuron_diffusers.tools.bench.serve import ServerProcess
+from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 
-def _config(model="flux", sizes=None, cfg=1):
-    checkpoint = resolve(model)
+def _config(model="flux", sizes=None, cfg=1, pipeline=None):
+    checkpoint = resolve(model, pipeline)
     return ServeConfig(checkpoint, checkpoint.adapter.size_limits(checkpoint), (32, 32), 2, 50, 2048 * 2048, 2, 1,
                        cfg, "float32", sizes=sizes)
 
@@ -133,10 +144,176 @@ def test_http_layer_answers_refuses_and_queues_in_one_process():
     assert Channel(0, store).receive_task(3) == {"stop": True}
 
 
+def test_a_silent_rank_fails_health_the_queue_and_every_rank(monkeypatch):
+    monkeypatch.setattr(liveness, "BEAT_S", 0.02)
+    monkeypatch.setattr(liveness, "EXIT_GRACE_S", 0.2)
+    store, metrics = HashStore(), Metrics()
+    scheduler = Scheduler([Channel(0, store)], max_queue=2, metrics=metrics)
+    scheduler.ready.set()
+    client = TestClient(build_app(_config(), scheduler, metrics, request_timeout_s=5))
+    exits = {0: [], 1: [], 2: [], 3: []}
+    # Rank 2 leaves normally (its silence is no death); rank 1 beats, then goes silent as a killed process would;
+    # rank 3 lives on and hears of it from rank 0.
+    watchers = {rank: Liveness(store, rank, 4, 0.3, exit_process=exits[rank].append) for rank in (1, 2, 3)}
+    watchers[0] = Liveness(store, 0, 4, 0.3, on_failure=scheduler.fail, exit_process=exits[0].append)
+    for watcher in watchers.values():
+        watcher.start()
+    time.sleep(0.2)
+    watchers[2].leave()
+    time.sleep(0.6)
+    assert watchers[0].failure is None and not any(exits.values())
+    waiting = scheduler.submit({"prompts": ["a fox"]}, 1)  # no dispatcher runs: it waits in the queue
+    watchers[1]._stop.set()  # rank 1 dies: no goodbye
+    deadline = time.monotonic() + 10
+    while not (exits[0] and exits[3]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert exits == {0: [1], 1: [], 2: [], 3: [1]}, exits
+    assert "rank 1 is gone" in watchers[0].failure and watchers[3].failure == watchers[0].failure
+    health = client.get("/health")
+    assert health.status_code == 503 and "rank 1 is gone" in health.json()["error"]["message"]
+    assert waiting.result(1)["error"]["status"] == 503
+    refused = client.post(GENERATIONS, json={"prompt": "a fox"})
+    assert refused.status_code == 503 and "rank 1 is gone" in refused.json()["error"]["message"]
+
+
+def test_url_answers_are_kept_files_bounded_by_keep(tmp_path):
+    store, metrics = HashStore(), Metrics()
+    scheduler = Scheduler([Channel(0, store)], max_queue=4, metrics=metrics)
+    scheduler.ready.set()
+    (tmp_path / f"{'0' * 32}.png").write_bytes(b"an earlier run's image")  # counts toward --keep, oldest
+    client = TestClient(build_app(_config(), scheduler, metrics, request_timeout_s=30,
+                                  files=ImageFiles(tmp_path, keep=2)))
+    replica = threading.Thread(target=_fake_replica, args=(Channel(0, store), 2))
+    replica.start()
+    scheduler.start()
+    first = client.post(GENERATIONS, json={"prompt": "a fox", "seed": 1, "response_format": "url"}).json()
+    second = client.post(GENERATIONS, json={"prompt": "a fox", "seed": 2, "n": 1, "response_format": "url"}).json()
+    replica.join(10)
+    scheduler.stop()
+    urls = [first["data"][0]["url"], second["data"][0]["url"]]
+    assert all(url.startswith("http://testserver/v1/images/files/") for url in urls), urls
+    assert client.get(f"/v1/images/files/{'0' * 32}.png").status_code == 404  # dropped: over --keep 2
+    for url, seed in zip(urls, (1, 2), strict=True):
+        kept = client.get(url)
+        assert kept.status_code == 200 and kept.headers["content-type"] == "image/png"
+        assert Image.open(io.BytesIO(kept.content)).text["seed"] == str(seed)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(url.rsplit("/", 1)[1] for url in urls)
+    for name in ("..%2Fsecret.png", "x.png", "%2E%2E"):
+        assert client.get(f"/v1/images/files/{name}").status_code == 404
+
+
+def _png(size=(32, 32), colour="red") -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_edits_and_loras_refusals_then_the_jobs_images_on_a_replica(tmp_path):
+    """`POST /v1/images/edits` (multipart, OpenAI's) and per-request LoRAs: refusals in one process, then the replica
+    loop on a spawned rank makes an edit with a LoRA and one without: each the job's image for the same input file
+    and LoRA, with the job's settings."""
+    store, metrics = HashStore(), Metrics()
+    img2img = _config(pipeline="FluxImg2ImgPipeline")
+    scheduler = Scheduler([Channel(0, store)], max_queue=4, metrics=metrics)
+    scheduler.ready.set()
+    client = TestClient(build_app(img2img, scheduler, metrics, request_timeout_s=30))
+    text_only = TestClient(build_app(_config(), scheduler, metrics, request_timeout_s=30))
+    inpaint = TestClient(build_app(_config(pipeline="FluxInpaintPipeline"), scheduler, metrics, request_timeout_s=30))
+    image = ("fox.png", _png(), "image/png")
+
+    def refused(app_client, path, expected, **kwargs):
+        response = app_client.post(path, **kwargs)
+        assert response.status_code == 400, response.text
+        assert expected in response.json()["error"]["message"], response.json()
+        return response
+
+    refused(text_only, EDITS, "FluxPipeline is a text-to-image class and takes no `image`",
+            data={"prompt": "a fox"}, files={"image": image})
+    refused(client, GENERATIONS, "/v1/images/edits", json={"prompt": "a fox"})
+    refused(client, EDITS, "multipart/form-data", json={"prompt": "a fox"})
+    refused(client, EDITS, "no `image` file", data={"prompt": "a fox"}, files={"mask": ("m.png", _png(), "image/png")})
+    refused(client, EDITS, "unexpected file field 'other'", data={"prompt": "a fox"},
+            files=[("image", image), ("other", ("x", b"x", "text/plain"))])
+    refused(client, EDITS, "not an image PIL can read", data={"prompt": "a fox"},
+            files={"image": ("fox.png", b"not a png", "image/png")})
+    refused(client, EDITS, "colour", data={"prompt": "a fox", "colour": "red"}, files={"image": image})
+    refused(client, EDITS, "(0, 1]", data={"prompt": "a fox", "strength": "2"}, files={"image": image})
+    refused(client, EDITS, "finite", data={"prompt": "a fox", "strength": "nan"}, files={"image": image})
+    refused(client, EDITS, "holds it as JSON", data={"prompt": "a fox", "loras": "ink"}, files={"image": image})
+    refused(client, EDITS, "unknown LoRA 'ink'", data={"prompt": "a fox", "loras": '[{"name": "ink"}]'},
+            files={"image": image})
+    refused(client, EDITS, "takes one input image", data={"prompt": "a fox"}, files=[("image", image)] * 2)
+    refused(TestClient(build_app(_config(sizes=((32, 32),)), scheduler, metrics, request_timeout_s=30)), EDITS,
+            "compiled (--compile) for text-to-image", data={"prompt": "a fox"}, files={"image": image})
+    refused(inpaint, EDITS, "give a mask of the image's size", data={"prompt": "a fox"},
+            files={"image": image, "mask": ("mask.png", _png((16, 16), "white"), "image/png")})
+    assert scheduler.queue.qsize() == 0  # nothing reached a replica
+
+    # A good edit: what travels to the replica, and the answer (a fake replica answers here).
+    replica = threading.Thread(target=_fake_replica, args=(Channel(0, store), 1))
+    replica.start()
+    scheduler.start()
+    # 0.8, not FluxImg2ImgPipeline's default 0.6: a strength lost on the way would show in the image below.
+    answer = client.post(EDITS, data={"prompt": "a red fox", "seed": "3", "strength": "0.8", "n": "1"},
+                         files={"image": image})
+    replica.join(10)
+    scheduler.stop()
+    assert answer.status_code == 200, answer.text
+    pixels, text = _b64_pixels(answer.json()["data"][0])
+    assert text["strength"] == "0.8" and text["pipeline"] == "FluxImg2ImgPipeline" and "sha256" in text["images"]
+
+    # The job's Request for the same input file, and its settings: the server's are the same.
+    (tmp_path / "fox.png").write_bytes(_png())
+    job_request = build_requests([{"prompt": "a red fox", "_where": "line 1"}], seed=3, height=32, width=32, steps=2,
+                                 guidance=None, negative_prompt=None, limits=img2img.limits,
+                                 adapter=img2img.checkpoint.adapter, images=[tmp_path / "fox.png"], strength=0.8)[0]
+    work = plan_work(EditRequest(prompt="a red fox", seed=3, strength=0.8), img2img,
+                     (Upload("fox.png", _png()),))
+    key = settings_key(job_request, model=model_identity("flux"), dtype="float32", pipeline="FluxImg2ImgPipeline")
+    assert work.texts[0]["settings_digest"] == settings_text(
+        job_request, model="flux", pipeline="FluxImg2ImgPipeline", tp=2, dp=1, cfg=1, dtype="float32", loras=[],
+        key=key)["settings_digest"]
+
+    # Per-request LoRAs: the server offers "ink" (--lora ink=PATH:0.5); a request picks it by name, at its own scale.
+    transformer = resolve("flux").transformer_class().from_pretrained(str(tiny.cached_tiny("flux")),
+                                                                      subfolder="transformer")
+    lora_path = lora_files.save_peft(tmp_path / "ink.safetensors",
+                                     lora_files.factors(lora_files.linears(transformer), 4, seed=1), alpha=4)
+    ink = LoraSpec(lora_path, 0.5)
+    with_lora = dataclasses.replace(img2img, loras={"ink": ink.record()})
+    with pytest.raises(ValueError, match="unknown LoRA 'oil': this server offers ink"):
+        plan_work(EditRequest(prompt="a fox", loras=[{"name": "oil"}]), with_lora, (Upload("fox.png", _png()),))
+    inked = plan_work(EditRequest(prompt="a red fox", seed=3, strength=0.8, loras=[{"name": "ink", "scale": 1.5}]),
+                      with_lora, (Upload("fox.png", _png()),))
+    record = LoraSpec(lora_path, 1.5).record()
+    key = settings_key(job_request, model=model_identity("flux"), dtype="float32", pipeline="FluxImg2ImgPipeline",
+                       loras=[{"sha256": record["sha256"], "scale": 1.5}])
+    job_text = settings_text(job_request, model="flux", pipeline="FluxImg2ImgPipeline", tp=2, dp=1, cfg=1,
+                             dtype="float32", loras=[record], key=key)
+    # Everything alike but the input's path (the upload's name; the key holds its sha256 only).
+    assert {**inked.texts[0], "images": None} == {**job_text, "images": None}
+
+    made = run_on_cpu_ranks(serve_jobs.replica_and_job, 1, "flux", "FluxImg2ImgPipeline",
+                            [(inked.task(), [(lora_path, 1.5)]), (work.task(), [])], job_request, timeout_s=300)[0]
+    pixels = []
+    for (served, job_pixels), expected in zip(made, (inked, work), strict=True):
+        served_image = Image.open(io.BytesIO(served))
+        pixels.append(np.asarray(served_image.convert("RGB")))
+        assert np.array_equal(pixels[-1], job_pixels), "not the job's image"
+        assert served_image.text["settings_digest"] == expected.texts[0]["settings_digest"]
+    assert not np.array_equal(*pixels), "the LoRA changed nothing: the comparison above would prove nothing"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--compile", "--port", "0"], "--sizes"),
     (["serve", "--model", "h3", "--port", "0"], "generate"),
     (["serve", "--sizes", "32x33", "--port", "0"], "multiples of 16"),
+    (["serve", "--ulysses", "2", "--port", "0"], "does not divide the world size 1"),
+    (["serve", "--peer-timeout", "700", "--port", "0"], "Lower --peer-timeout"),
+    (["serve", "--lora", "a=x.safetensors", "--lora", "a=y.safetensors", "--port", "0"], "a given twice"),
+    (["serve", "--lora", "a=missing.safetensors", "--port", "0"], "missing.safetensors"),
+    (["serve", "--pipeline", "FluxKontextPipeline", "--compile", "--sizes", "32x32", "--port", "0"],
+     "change the compiled shapes"),
     (["bench", "serve", "--requests", "2000"], "bounded"),
 ])
 def test_bad_command_lines_exit_2_before_anything_starts(argv, message, capsys):
@@ -149,14 +326,18 @@ def _b64_pixels(item) -> tuple[np.ndarray, dict]:
     return np.asarray(image.convert("RGB")), image.text
 
 
-def test_server_under_torchrun_tp2(tmp_path):
-    # The CLI job's image, to compare the server's with.
+@pytest.fixture(scope="module")
+def job_image(tmp_path_factory):
+    """The CLI job's image at TP=2, to compare the servers' with."""
+    out = tmp_path_factory.mktemp("job")
     job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
                           "neuron_diffusers", "generate", "--prompt", "a red fox", "--seed", "7", "--steps", "2",
-                          "--tp", "2", "--out", str(tmp_path / "job")], capture_output=True, text=True, timeout=300)
+                          "--tp", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
-    job_image = Image.open(tmp_path / "job" / "00000-a-red-fox.png")
+    return Image.open(out / "00000-a-red-fox.png")
 
+
+def test_server_under_torchrun_tp2(job_image):
     server = ServerProcess(2, ["--tp", "2", "--steps", "2", "--max-queue", "5"])
     try:
         server.wait_ready()
@@ -224,3 +405,69 @@ def _wait_busy(base_url, timeout_s=60.0):
         time.sleep(0.05)
     raise AssertionError("no request became busy")
 
+
+
+def test_server_with_ulysses_and_a_rank_killed_while_idle(job_image):
+    """Two ranks started without torchrun (one process per rank, as one pod per rank would be: no agent that stops
+    the others), serving with Ulysses: the job's TP=2 image, then rank 1 is SIGKILLed while the server idles. Rank 0
+    must notice it from the heartbeats alone, answer /health 503 (or be gone) and exit 1."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        master_port = probe.getsockname()[1]
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
+        ranks.append(subprocess.Popen([sys.executable, "-m", "neuron_diffusers", "serve", "--port", "0", "--tp", "1",
+                                       "--ulysses", "2", "--steps", "2", "--peer-timeout", "2"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    lines = []
+    threading.Thread(target=lambda: lines.extend(ranks[0].stdout), daemon=True).start()
+    try:
+        url = _wait_ready(lines, ranks[0])
+        with httpx.Client(timeout=120) as client:
+            answer = client.post(url + GENERATIONS, json={"prompt": "a red fox", "seed": 7})
+            assert answer.status_code == 200, answer.text
+            pixels, text = _b64_pixels(answer.json()["data"][0])
+            difference = np.abs(pixels.astype(int) - np.asarray(job_image.convert("RGB")).astype(int))
+            assert difference.max() <= 1, difference.max()  # fp32 sums in another order: within one level
+            assert (text["tp"], text["ulysses"], text["settings_digest"]) == \
+                ("1", "2", job_image.text["settings_digest"])
+            # 48x48 is 9 image tokens: Ulysses over 2 ranks cannot split them, refused before it queues.
+            odd = client.post(url + GENERATIONS, json={"prompt": "a fox", "size": "48x48"})
+            assert odd.status_code == 400 and "48x64" in odd.json()["error"]["message"], odd.text
+            assert client.get(url + "/health").status_code == 200
+
+        ranks[1].kill()
+        killed = time.monotonic()
+        health = []
+        while ranks[0].poll() is None and time.monotonic() - killed < 60:
+            try:
+                health.append(httpx.get(url + "/health", timeout=2).status_code)
+            except httpx.HTTPError:
+                health.append("gone")
+            time.sleep(0.1)
+        assert ranks[0].wait(5) == 1, "".join(lines[-30:])
+        assert time.monotonic() - killed < 2 + liveness.EXIT_GRACE_S + 10
+        assert health[-1] != 200 and 200 not in health[health.index(503 if 503 in health else "gone"):], health
+        assert any("rank 1 is gone" in line for line in lines), "".join(lines[-30:])
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+
+
+def _wait_ready(lines, rank0, timeout_s=300.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if rank0.poll() is not None:
+            raise AssertionError("rank 0 exited while starting:\n" + "".join(lines[-30:]))
+        url = next((line.split("listening on ")[1].split()[0] for line in lines if "listening on" in line), None)
+        if url is not None:
+            try:
+                if httpx.get(url + "/ready", timeout=5).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    raise AssertionError("the server was not ready in time:\n" + "".join(lines[-30:]))

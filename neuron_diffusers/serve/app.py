@@ -1,5 +1,6 @@
-"""The HTTP side (FastAPI, on global rank 0): OpenAI's `POST /v1/images/generations`, `GET /health`, `GET /ready`,
-`GET /metrics`.
+"""The HTTP side (FastAPI, on global rank 0): OpenAI's `POST /v1/images/generations` and `POST /v1/images/edits`
+(a multipart form with the input `image` files and a `mask`), `GET /v1/images/files/{name}` (the images of
+`response_format: "url"` with `--out`, see `files.py`), `GET /health`, `GET /ready`, `GET /metrics`.
 
 Every refusal is a JSON body in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): 400 for a body
 that is not valid JSON, has unknown fields, values of the wrong type or out of range, or settings the model cannot
@@ -12,19 +13,27 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
+from .files import ImageFiles
 from .metrics import Metrics
-from .request import ImageRequest, ServeConfig, plan_work
+from .request import MAX_IMAGES, MAX_UPLOAD_BYTES, EditRequest, ImageRequest, ServeConfig, Upload, Work, plan_work
 from .scheduler import NotAccepting, QueueFull, Scheduler
 
 GENERATIONS = "/v1/images/generations"
+EDITS = "/v1/images/edits"
+FILES = "/v1/images/files"
+#: The form's file fields: `image` (repeated, or OpenAI's `image[]`, for reference images) and `mask`.
+IMAGE_FIELDS = ("image", "image[]")
 
 
 def error(status: int, message: str, kind: str, *, param: str | None = None, headers: dict | None = None,
@@ -33,7 +42,7 @@ def error(status: int, message: str, kind: str, *, param: str | None = None, hea
                         status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError | ValidationError) -> tuple[str, str | None]:
     """One line for pydantic's list of errors: where, and what is wrong there."""
     parts, param = [], None
     for item in exc.errors():
@@ -46,7 +55,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts), param
 
 
-def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, request_timeout_s: float) -> FastAPI:
+def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, request_timeout_s: float,
+              files: ImageFiles | None = None) -> FastAPI:
     app = FastAPI(title="neuron-diffusers", description="OpenAI-style image generation over a device mesh.",
                   docs_url=None, redoc_url=None)
 
@@ -78,20 +88,83 @@ def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, reque
             return error(503, "loading: weights are not loaded (and warmed) yet", "not_ready",
                          error_type="server_error")
         return {"status": "ready", "model": config.checkpoint.source, "replicas": config.replicas,
-                "tp": config.tp, "cfg": config.cfg}
+                "tp": config.tp, "ulysses": config.ulysses, "ring": config.ring, "cfg": config.cfg}
 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+    def refuse(message: str, param: str | None = None) -> JSONResponse:
+        metrics.errors.labels("invalid_request").inc()
+        return error(400, message, "invalid_request", param=param)
+
+    @app.get(FILES + "/{name}", name="image_file")
+    async def image_file(name: str):
+        path = files.path(name) if files is not None else None
+        if path is None:
+            return error(404, f"no image {name!r}: it was never made here, or it is older than the last --keep "
+                         "images", "not_found")
+        return FileResponse(path, media_type="image/png")
+
     @app.post(GENERATIONS)
-    async def generations(body: ImageRequest):
+    async def generations(body: ImageRequest, request: Request):
         arrived = time.perf_counter()
         try:
             work = plan_work(body, config)
         except ValueError as exc:
-            metrics.errors.labels("invalid_request").inc()
-            return error(400, str(exc), "invalid_request")
+            return refuse(str(exc))
+        return await answer(work, arrived, request)
+
+    @app.post(EDITS)
+    async def edits(request: Request):
+        arrived = time.perf_counter()
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > (MAX_IMAGES + 1) * MAX_UPLOAD_BYTES:
+            return refuse(f"the body is larger than {MAX_IMAGES + 1} files of {MAX_UPLOAD_BYTES} bytes: send smaller "
+                          "images.")
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            return refuse("POST /v1/images/edits takes a multipart/form-data body (OpenAI's): the `image` file(s), "
+                          "an optional `mask` file, and the text fields (`prompt`, `n`, `size`, ...).")
+        try:
+            form = await request.form(max_files=MAX_IMAGES + 1, max_fields=32, max_part_size=MAX_UPLOAD_BYTES)
+        except Exception as exc:  # starlette's MultiPartException and the parser's errors: a malformed body
+            return refuse(f"the body is not a valid multipart form ({exc})")
+        try:
+            fields, images, mask = {}, [], None
+            for name, value in form.multi_items():
+                if isinstance(value, UploadFile):
+                    if name not in (*IMAGE_FIELDS, "mask") or (name == "mask" and mask is not None):
+                        return refuse(f"unexpected file field {name!r}: send `image` (repeat it for reference "
+                                      "images) and at most one `mask`.", name)
+                    upload = Upload((value.filename or name)[:200], await value.read())
+                    if name == "mask":
+                        mask = upload
+                    else:
+                        images.append(upload)
+                elif name in fields or name in (*IMAGE_FIELDS, "mask"):
+                    return refuse(f"field {name!r} is given twice, or as text where a file belongs.", name)
+                else:
+                    fields[name] = value
+        finally:
+            await form.close()
+        if not images:
+            return refuse("no `image` file: an edit needs its input image (multipart field `image`).", "image")
+        if "loras" in fields:  # a list has no form encoding: the field holds its JSON
+            try:
+                fields["loras"] = json.loads(fields["loras"])
+            except ValueError:
+                return refuse('loras: a form field holds it as JSON, e.g. [{"name": "ink", "scale": 0.8}]', "loras")
+        try:
+            body = EditRequest.model_validate(fields, strict=False)  # a form's values are all text
+            work = plan_work(body, config, tuple(images), mask)
+        except ValidationError as exc:
+            message, param = _validation_message(exc)
+            return refuse(message, param)
+        except ValueError as exc:
+            return refuse(str(exc))
+        return await answer(work, arrived, request)
+
+    async def answer(work: Work, arrived: float, request: Request):
         try:
             future = scheduler.submit(work.task(), len(work.requests))
         except QueueFull as exc:
@@ -115,17 +188,26 @@ def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, reque
             metrics.errors.labels(failure["kind"]).inc()
             return error(failure["status"], failure["message"], failure["kind"], error_type=failure["type"])
         metrics.images.inc(len(result["images"]))
-        return {"created": int(time.time()), "data": [_item(png, work.response_format, request.seed)
-                                                      for png, request in zip(result["images"], work.requests,
-                                                                              strict=True)]}
+        items = []
+        for png, made in zip(result["images"], work.requests, strict=True):
+            # Plus the seed it was made from (an extension: a request without `seed` gets a random one).
+            try:
+                items.append({**await _image(png, work.response_format, request), "seed": made.seed})
+            except OSError as exc:  # --out full or gone: this answer fails, the server goes on
+                metrics.errors.labels("storage").inc()
+                return error(500, f"cannot keep the image in --out ({exc.strerror or exc}); ask with "
+                             "response_format b64_json meanwhile", "storage", error_type="server_error")
+        return {"created": int(time.time()), "data": items}
+
+    async def _image(png: bytes, response_format: str, request: Request) -> dict:
+        """One image of the answer: base64 PNG; or (`url`) a URL of this server with `--out`, else the same PNG as
+        a `data:` URL."""
+        if response_format == "url" and files is not None:
+            name = await asyncio.to_thread(files.add, png)
+            return {"url": str(request.url_for("image_file", name=name))}
+        encoded = base64.b64encode(png).decode("ascii")
+        if response_format == "url":
+            return {"url": f"data:image/png;base64,{encoded}"}
+        return {"b64_json": encoded}
 
     return app
-
-
-def _item(png: bytes, response_format: str, seed: int) -> dict:
-    """One image of the answer: base64 PNG, or (`url`) the same PNG as a `data:` URL, since the server keeps no
-    files; plus the seed it was made from (an extension: a request without `seed` gets a random one)."""
-    encoded = base64.b64encode(png).decode("ascii")
-    if response_format == "url":
-        return {"url": f"data:image/png;base64,{encoded}", "seed": seed}
-    return {"b64_json": encoded, "seed": seed}

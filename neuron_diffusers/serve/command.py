@@ -1,20 +1,24 @@
 """`neuron-diffusers serve`: load the model once over the launched ranks and answer image requests over HTTP.
 
-    torchrun --nproc_per_node=N -m neuron_diffusers serve --model M [--tp T] [--cfg-parallel] [--port P] ...
+    torchrun --nproc_per_node=N -m neuron_diffusers serve --model M [--tp T] [--ulysses U] [--ring R]
+        [--cfg-parallel] [--port P] ...
 
 Global rank 0 runs the HTTP server (uvicorn, in a thread) and the scheduler; every rank, rank 0 included, serves its
-replica (a data-parallel TP group, or with `--cfg-parallel` a CFG pair of them) in its main thread. Everything the
-command line says is checked before the process group starts or any weight is read, like the job's.
+replica (a data-parallel image group of tp x ulysses x ring ranks, or with `--cfg-parallel` a CFG pair of them) in
+its main thread. Everything the command line says is checked before the process group starts or any weight is read,
+with the job's rules.
 
 Shutdown: SIGTERM (what torchrun, Kubernetes and `docker stop` send) stops rank 0 from accepting connections, lets
 the requests in flight and in the queue finish (at most `--shutdown-timeout` seconds), then every replica leaves its
 loop and every rank exits 0. A rank that gets SIGTERM waits for rank 0's word for as long. A lost rank ends the
-serving ranks with a collective error (exit 1), and torchrun stops the rest.
+serving ranks with exit 1: at once through the collective in flight, or within `--peer-timeout` through the
+heartbeats when idle (`liveness.py`); `/health` answers 503 meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import signal
 import socket
@@ -32,19 +36,23 @@ from ..compile import compile_repeated_blocks, resolve_backend, warmup
 from ..consistency import CallEntry
 from ..distributed import (
     check_cfg_degree,
+    check_cp_degrees,
     check_tp_degree,
     default_store,
     detect_runtime,
     init_distributed,
     leave_together,
 )
-from ..job import DEFAULT_MAX_PIXELS, DTYPES
+from ..job import DEFAULT_MAX_PIXELS, DTYPES, check_out_dir, out_folder
+from ..parallel import context
+from ..parallel.lora import LoraSpec, check_loras, parse_lora_option
 from ..runner import load_pipeline
 from .channel import Channel
+from .liveness import Liveness
 from .replica import serve_replica
 
 #: The `serve` extra's modules (pyproject.toml).
-WEB_STACK = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+WEB_STACK = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "python_multipart")
 
 
 def size_list(value: str) -> tuple[tuple[int, int], ...]:
@@ -58,12 +66,34 @@ def size_list(value: str) -> tuple[tuple[int, int], ...]:
     return tuple(dict.fromkeys(sizes))
 
 
+def named_lora(value: str) -> tuple[str, LoraSpec]:
+    """An argparse type: `NAME=SOURCE[:SCALE]` (SOURCE as the job's `--lora`) -> (NAME, spec)."""
+    name, equals, source = value.partition("=")
+    if not equals or not name.strip() or not source.strip():
+        raise argparse.ArgumentTypeError(f"{value!r}: use NAME=PATH_OR_HUB_ID[:SCALE], e.g. style=loras/ink.safetensors"
+                                         ":0.8 (requests choose it by NAME)")
+    return name.strip(), parse_lora_option(source)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="flux",
                         help="checkpoint folder, or a tiny family name built offline (default: flux, a tiny FLUX.1)")
     parser.add_argument("--tp", type=positive_int, default=None,
                         help="tensor-parallel degree (default: all ranks; with --cfg-parallel half of them); the "
                              "other ranks form more replicas that serve requests at the same time")
+    parser.add_argument("--ulysses", type=positive_int, default=1,
+                        help="context parallelism: ranks splitting each image's sequence with Ulysses attention")
+    parser.add_argument("--ring", type=positive_int, default=1,
+                        help="context parallelism: ranks splitting each image's sequence with ring attention")
+    parser.add_argument("--cp-any-length", action="store_true",
+                        help="with --ulysses / --ring: any image size, with diffusers' *_anything modes (not with "
+                             "--compile); default: sizes whose tokens split, others refused with nearby ones")
+    parser.add_argument("--pipeline", default=None, metavar="CLASS",
+                        help="the stock pipeline class to serve the checkpoint with (default: its index's), e.g. "
+                             "FluxKontextPipeline, FluxImg2ImgPipeline: image inputs through POST /v1/images/edits")
+    parser.add_argument("--lora", type=named_lora, action="append", default=[], metavar="NAME=SOURCE[:SCALE]",
+                        help="a LoRA requests may choose by NAME ('loras': [{'name': NAME}]), read and checked at "
+                             "start; repeat for more. A request without loras runs the base weights")
     parser.add_argument("--cfg-parallel", action="store_true",
                         help="replicas are CFG pairs of TP groups: a request with true CFG computes cond and uncond "
                              "side by side")
@@ -75,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a request may take before it is answered 504")
     parser.add_argument("--shutdown-timeout", type=positive_float, default=60.0,
                         help="after SIGTERM: seconds the requests in flight and queued may take to finish")
+    parser.add_argument("--out", type=out_folder, default=None, metavar="DIR",
+                        help="keep the images of `response_format: url` requests here and answer with http URLs "
+                             "(GET /v1/images/files/NAME); without it such a URL is a data: URL")
+    parser.add_argument("--keep", type=positive_int, default=1000,
+                        help="with --out: the most images kept there; the oldest are deleted")
     parser.add_argument("--steps", type=positive_int, default=4, help="num_inference_steps when a request sets none")
     parser.add_argument("--max-steps", type=positive_int, default=100, help="refuse requests with more steps")
     parser.add_argument("--sizes", type=size_list, default=None,
@@ -85,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="default: bfloat16 on an accelerator, float32 on CPU")
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds any collective may wait")
+    parser.add_argument("--peer-timeout", type=positive_float, default=30.0,
+                        help="seconds without a rank's heartbeat before it is taken as dead and the server exits 1 "
+                             "(at most --timeout)")
     parser.add_argument("--compile", nargs="?", const="auto", default=None, metavar="BACKEND",
                         help="compile the transformer's repeated blocks and warm up every --sizes entry before "
                              "serving; other sizes are refused (no request recompiles)")
@@ -102,15 +140,26 @@ def plan_server(args, world_size: int, device_type: str):
         resolve_backend(args.compile)
         if args.sizes is None:
             raise ValueError("--compile serves only the sizes it warmed up: give them with --sizes WIDTHxHEIGHT[,...].")
+    if args.out is not None:
+        check_out_dir(args.out)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a port: use 0 .. 65535 (0 picks a free one).")
+    if args.peer_timeout > args.timeout:
+        raise ValueError(f"--peer-timeout {args.peer_timeout:g} is above --timeout {args.timeout:g}: a dead rank must "
+                         "be noticed before a collective gives up on it. Lower --peer-timeout.")
     pairs = 2 if args.cfg_parallel else 1
-    tp = args.tp or max(world_size // pairs, 1)
+    cp = args.ulysses * args.ring
+    tp = args.tp or max(world_size // (pairs * cp), 1)
     check_tp_degree(tp, world_size)
-    checkpoint = resolve(args.model)
+    check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring)
+    checkpoint = resolve(args.model, args.pipeline)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
     adapter = checkpoint.adapter
+    if args.compile and not adapter.own_class:
+        raise ValueError(f"--compile with --pipeline {checkpoint.pipeline_class}: its requests carry input images, "
+                         "which change the compiled shapes (a recompile mid-request). Drop --compile, or serve the "
+                         "checkpoint's own class.")
     if adapter.output_suffix != ".png":
         raise ValueError(f"{adapter.pipeline_class} makes {adapter.output_suffix} files, and the server answers with "
                          "images only: use `neuron-diffusers generate` for it.")
@@ -123,14 +172,34 @@ def plan_server(args, world_size: int, device_type: str):
                          "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
                          "--cfg-parallel.")
     check_cfg_degree(pairs, tp, world_size)
+    check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs)
+    mode = context.runner_mode(checkpoint.family.display_name, adapter.cp_text, args.ulysses, args.ring,
+                               args.cp_any_length) if cp > 1 else None
+    if mode is not None:
+        if mode.any_length and args.compile:
+            raise ValueError(f"--compile with context parallelism needs static shapes, but "
+                             f"{checkpoint.family.display_name} would run diffusers' *_anything mode here (any length, "
+                             "a host sync per attention call). Drop --compile or --cp-any-length.")
+        context.check_layout(checkpoint.family.display_name, checkpoint.config("transformer").get(
+            "num_attention_heads"), world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
+            ulysses_anything=mode.ulysses_anything)
     limits = adapter.size_limits(checkpoint)
     default = tiny.default_size(args.model) if args.model in tiny.FAMILIES else (1024, 1024)
+    config = ServeConfig(checkpoint, limits, args.sizes[0] if args.sizes else default, args.steps, args.max_steps,
+                         args.max_pixels, tp, world_size // (tp * cp * pairs), pairs,
+                         args.dtype or ("float32" if device_type == "cpu" else "bfloat16"),
+                         sizes=args.sizes if args.compile else None, ulysses=args.ulysses, ring=args.ring,
+                         cp_split=mode is not None and not mode.any_length)
     for height, width in args.sizes or ():
         limits.check(height, width, f"--sizes {width}x{height}", args.max_pixels)
-    return ServeConfig(checkpoint, limits, args.sizes[0] if args.sizes else default, args.steps, args.max_steps,
-                       args.max_pixels, tp, world_size // (tp * pairs), pairs,
-                       args.dtype or ("float32" if device_type == "cpu" else "bfloat16"),
-                       sizes=args.sizes if args.compile else None)
+        config.check_split(height, width, f"--sizes {width}x{height}")
+    names = [name for name, _ in args.lora]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--lora names must differ: {', '.join(sorted({n for n in names if names.count(n) > 1}))} "
+                         "given twice.")
+    # Last, the slowest: each file read and checked against the transformer's config (as the job does).
+    check_loras(checkpoint, [spec for _, spec in args.lora])
+    return dataclasses.replace(config, loras={name: spec.record() for name, spec in args.lora})
 
 
 class _Signals:
@@ -160,10 +229,15 @@ def main(args: argparse.Namespace) -> int:
     config = plan_server(args, runtime.world_size, runtime.device_type)
     listener = _listen(args.host, args.port) if runtime.rank == 0 else None
     signals = _Signals(args.shutdown_timeout)
-    mesh = init_distributed(tp=config.tp, cfg=config.cfg, timeout_s=args.timeout)
+    mesh = init_distributed(tp=config.tp, ulysses=config.ulysses, ring=config.ring, cfg=config.cfg,
+                            timeout_s=args.timeout)
     front = _Front(config, args, listener, signals) if runtime.rank == 0 else None
+    liveness = Liveness(default_store(), runtime.rank, runtime.world_size, args.peer_timeout,
+                        on_failure=front.scheduler.fail if front is not None else lambda failure: None).start()
     try:
-        pipe = load_pipeline(config.checkpoint, mesh, torch_dtype=getattr(torch, config.dtype))
+        pipe = load_pipeline(config.checkpoint, mesh, torch_dtype=getattr(torch, config.dtype),
+                             cp_any_length=args.cp_any_length,
+                             parallel_vae=False if config.ulysses * config.ring > 1 else None)
         if args.compile:
             compile_repeated_blocks(pipe, backend=args.compile)
             warmup(pipe, list(args.sizes), num_inference_steps=2)
@@ -171,17 +245,21 @@ def main(args: argparse.Namespace) -> int:
         CallEntry(list(range(runtime.world_size)), "serve ready", timeout_s=None).enter([config.checkpoint.source])
         if front is not None:
             front.scheduler.ready.set()
-            print(f"neuron-diffusers serve: ready: {config.replicas} replica(s) of tp={config.tp} cfg={config.cfg}",
-                  file=sys.stderr, flush=True)
+            print(f"neuron-diffusers serve: ready: {config.replicas} replica(s) of tp={config.tp} ulysses="
+                  f"{config.ulysses} ring={config.ring} cfg={config.cfg}", file=sys.stderr, flush=True)
         channel = Channel(mesh["dp"].get_local_rank(), default_store())
-        serve_replica(pipe, channel, give_up=signals.past_deadline)
+        serve_replica(pipe, channel, give_up=lambda: signals.past_deadline() or liveness.failure is not None)
     except (dist.DistError, TimeoutError, RuntimeError) as error:
+        failure = liveness.failure or str(error)
         if front is not None:
-            front.scheduler.failure = str(error)
-        print(f"neuron-diffusers serve: error on rank {runtime.rank}: {error}", file=sys.stderr, flush=True)
+            front.scheduler.fail(failure)
+        print(f"neuron-diffusers serve: error on rank {runtime.rank}: {failure}", file=sys.stderr, flush=True)
         return 1
     if front is not None:
         front.join()
+    liveness.leave()
+    if liveness.failure is not None:  # a rank died while the queue drained after a SIGTERM
+        return 1
     leave_together(args.timeout)
     return 0
 
@@ -206,6 +284,7 @@ class _Front:
         import uvicorn
 
         from .app import build_app
+        from .files import ImageFiles
         from .metrics import Metrics
         from .scheduler import Scheduler
 
@@ -213,7 +292,8 @@ class _Front:
         store = default_store()
         self.scheduler = Scheduler([Channel(r, store) for r in range(config.replicas)], args.max_queue,
                                    metrics)
-        app = build_app(config, self.scheduler, metrics, args.request_timeout)
+        files = ImageFiles(args.out, args.keep) if args.out is not None else None
+        app = build_app(config, self.scheduler, metrics, args.request_timeout, files)
         self.http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
                                                   timeout_graceful_shutdown=args.shutdown_timeout))
         signals.http = self.http

@@ -10,13 +10,16 @@ process group is then unusable, and the server must exit (non-zero) rather than 
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable
 
+import PIL.Image
 import torch.distributed as dist
 
 from ..distributed import is_replica_leader
 from ..media import png_bytes
+from ..parallel.lora import LoraSpec
 from ..runner import TPPipeline
 from .channel import Channel
 
@@ -42,8 +45,9 @@ def make(pipe: TPPipeline, task: dict, leader: bool) -> dict | None:
     before = dict(pipe.times.seconds)
     start = time.perf_counter()
     try:
+        _select_loras(pipe, task.get("loras", ()))
         outputs = pipe.generate(task["prompts"], seed=task["seed"], negative_prompt=task["negative_prompt"],
-                                **task["kwargs"])
+                                **task["kwargs"], **image_inputs(task))
     except dist.DistError:  # a peer is gone: nothing is left to agree with
         raise
     except Exception as error:  # the same on every rank of the replica (see `TPPipeline.generate`)
@@ -58,9 +62,33 @@ def make(pipe: TPPipeline, task: dict, leader: bool) -> dict | None:
     return {"images": images, "phases": phases}
 
 
+def _select_loras(pipe: TPPipeline, loras) -> None:
+    """Fuse the task's LoRAs when they are not the ones fused now (`set_loras` switches in place, agreed by the
+    replica's ranks: a LoRA that fails fails alike on all of them and leaves the previous set)."""
+    wanted = [LoraSpec(source, scale) for source, scale in loras]
+    if wanted != (pipe.loras.active if pipe.loras is not None else []):
+        pipe.set_loras(wanted)
+
+
 def error_record(error: BaseException) -> dict:
     """What the HTTP side answers for `error`: a bad request (`ValueError`) is the client's (400), anything else is
     the server's (500); the message says which exception it was."""
     client = isinstance(error, ValueError)
     return {"status": 400 if client else 500, "type": "invalid_request_error" if client else "server_error",
             "kind": "invalid_request" if client else type(error).__name__, "message": str(error)}
+
+
+def image_inputs(task: dict) -> dict:
+    """A task's image kwargs for `generate`: one image or a list of reference images, and the mask (each rank decodes
+    the same bytes, which rank 0 already decoded once to check them)."""
+    images = [open_image(data) for data in task.get("images", ())]
+    kwargs = {"image": images[0] if len(images) == 1 else images} if images else {}
+    if task.get("mask") is not None:
+        kwargs["mask_image"] = open_image(task["mask"])
+    return kwargs
+
+
+def open_image(data: bytes) -> PIL.Image.Image:
+    image = PIL.Image.open(io.BytesIO(data))
+    image.load()
+    return image

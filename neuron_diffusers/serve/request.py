@@ -1,29 +1,52 @@
-"""The body of `POST /v1/images/generations` and its checks: every refusal happens here, on rank 0, before the
-request queues, with the same rules (and the same messages) as a `.jsonl` line of the `generate` job.
+"""The bodies of `POST /v1/images/generations` and `/v1/images/edits` and their checks: every refusal happens here,
+on rank 0, before the request queues, with the same rules (and the same messages) as a `.jsonl` line of the
+`generate` job.
 
 A body becomes the job's own `Request`s (one per image, seeds `seed .. seed + n - 1`), so an image the server makes
-is the image the job makes for the same settings, and carries the same text chunks (settings key included).
+is the image the job makes for the same settings and input images, and carries the same text chunks (settings key
+included: an uploaded image counts by the sha256 of its bytes, as an input file of the job does).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import secrets
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+import PIL.Image
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..checkpoint import Checkpoint
 from ..job import Request, build_requests, call_kwargs, settings_text
+from ..media import InputImage
 from ..outputs import model_identity, settings_key
 from ..pipelines.base import MAX_SEED, SizeLimits
+from ..pipelines.image_inputs import check_image_kwargs
+from ..runner import check_context_parallel_call
+from .replica import open_image
 
 #: The most images one request may ask for (OpenAI's own limit for `n`).
 MAX_IMAGES = 10
 #: Longer prompts are refused before any tokenizer sees them (each family's buckets cap the tokens anyway).
 MAX_PROMPT_CHARS = 20_000
 
+#: The most LoRAs one request may combine.
+MAX_LORAS = 8
+#: The most bytes one uploaded image (or mask) may have.
+MAX_UPLOAD_BYTES = 32 * 1024 * 1024
+
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class LoraChoice(BaseModel):
+    """One of the server's `--lora NAME=SOURCE[:SCALE]` by name, with its weight (default: the server's)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=200)
+    scale: FiniteFloat | None = None
 
 
 class ImageRequest(BaseModel):
@@ -44,6 +67,23 @@ class ImageRequest(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: FiniteFloat | None = None
     true_cfg_scale: FiniteFloat | None = None
+    #: Extension: LoRAs to apply, among the ones the server offers (fused per request, group-consistently).
+    loras: list[LoraChoice] = Field(default_factory=list, max_length=MAX_LORAS)
+
+
+class EditRequest(ImageRequest):
+    """The text fields of OpenAI's `POST /v1/images/edits` form (its `image` and `mask` are files), plus img2img /
+    inpainting `strength`."""
+
+    strength: FiniteFloat | None = None
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One uploaded file of an edits form: the name the client gave it and its bytes."""
+
+    name: str
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -62,6 +102,22 @@ class ServeConfig:
     dtype: str
     #: With `--compile`: the warmed (height, width) sizes, the only ones served (no request may recompile).
     sizes: tuple[tuple[int, int], ...] | None = None
+    ulysses: int = 1
+    ring: int = 1
+    #: Context parallelism with static splits: a size whose image tokens do not split is refused.
+    cp_split: bool = False
+    #: `--lora NAME=SOURCE[:SCALE]`: name -> {"source", "scale", "sha256"} (read and checked at start).
+    loras: dict = dataclasses.field(default_factory=dict)
+
+    def check_split(self, height: int, width: int, where: str) -> None:
+        """Under context parallelism without *_anything modes: refuse a size whose tokens `generate` could not split
+        (the message names sizes nearby that do)."""
+        if self.cp_split:
+            try:
+                check_context_parallel_call(self.checkpoint.adapter, self.checkpoint,
+                                            {"height": height, "width": width}, self.ulysses * self.ring)
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -72,18 +128,39 @@ class Work:
     response_format: str
     #: The PNG text chunks of each image, made on rank 0 and written by the replica's leader.
     texts: list[dict]
-    #: The stock pipeline call's kwargs (size, steps, guidance), the same for every image of the request.
+    #: The stock pipeline call's kwargs (size, steps, guidance, strength), the same for every image of the request.
     kwargs: dict
+    #: The input images' and the mask's bytes (decoded again on every rank of the replica).
+    images: tuple[bytes, ...] = ()
+    mask: bytes | None = None
+    #: The LoRAs to fuse for it, `(source, scale)` (none: the base weights).
+    loras: tuple[tuple[str, float], ...] = ()
 
     def task(self) -> dict:
         """What travels to the replica: the arguments of one `generate` call, the same on every rank."""
         first = self.requests[0]
         return {"prompts": [r.prompt for r in self.requests], "seed": first.seed,
-                "negative_prompt": first.negative_prompt, "kwargs": self.kwargs, "texts": self.texts}
+                "negative_prompt": first.negative_prompt, "kwargs": self.kwargs, "texts": self.texts,
+                "images": self.images, "mask": self.mask, "loras": self.loras}
 
 
-def plan_work(body: ImageRequest, config: ServeConfig) -> Work:
-    """Check `body` against the model and the server's limits; raise a `ValueError` saying what and how to fix."""
+def _read_upload(upload: Upload, what: str) -> tuple[PIL.Image.Image, InputImage]:
+    """An uploaded file decoded whole (refused clearly if it is not an image), and its record for the outputs."""
+    if len(upload.data) > MAX_UPLOAD_BYTES:
+        raise ValueError(f"{what} {upload.name!r} has {len(upload.data)} bytes, above this server's limit of "
+                         f"{MAX_UPLOAD_BYTES}: send a smaller file.")
+    try:
+        image = open_image(upload.data)
+    except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as error:
+        raise ValueError(f"{what} {upload.name!r} is not an image PIL can read ({error}): send a PNG, JPEG or WebP "
+                         "file.") from None
+    return image, InputImage(upload.name, hashlib.sha256(upload.data).hexdigest(), *image.size)
+
+
+def plan_work(body: ImageRequest, config: ServeConfig, images: tuple[Upload, ...] = (),
+              mask: Upload | None = None) -> Work:
+    """Check `body` (and an edit's uploaded `images` and `mask`) against the model and the server's limits; raise a
+    `ValueError` saying what and how to fix."""
     adapter = config.checkpoint.adapter
     height, width = config.default_size
     if body.size is not None:
@@ -93,6 +170,7 @@ def plan_work(body: ImageRequest, config: ServeConfig) -> Work:
         raise ValueError(f"size {width}x{height} is not served: the model was compiled for {allowed} only (a new "
                          "size would recompile it mid-request). Ask for one of those, or restart the server with "
                          "--sizes including it.")
+    config.check_split(height, width, f"size {width}x{height}")
     steps = config.default_steps if body.num_inference_steps is None else body.num_inference_steps
     if steps > config.max_steps:
         raise ValueError(f"num_inference_steps {steps} is above this server's limit of {config.max_steps} "
@@ -105,14 +183,49 @@ def plan_work(body: ImageRequest, config: ServeConfig) -> Work:
     requests = build_requests([entry] * body.n, seed=seed, height=height, width=width, steps=steps, guidance=None,
                               negative_prompt=None, limits=config.limits, adapter=adapter,
                               max_pixels=config.max_pixels)
+    if images and config.sizes is not None:
+        raise ValueError("this server is compiled (--compile) for text-to-image at its --sizes only: an input image "
+                         "would change the compiled shapes mid-request. Serve edits from a server without --compile.")
+    decoded = [_read_upload(upload, "image") for upload in images]
+    mask_image, mask_record = _read_upload(mask, "mask") if mask is not None else (None, None)
+    strength = getattr(body, "strength", None)
+    try:
+        pictures = [image for image, _ in decoded]
+        check_image_kwargs(adapter, (pictures[0] if len(pictures) == 1 else pictures) or None, mask_image, strength)
+    except (TypeError, ValueError) as error:
+        hint = "" if images else " (Over HTTP: send the image to POST /v1/images/edits.)"
+        raise ValueError(f"{error}{hint}") from None
+    requests = [dataclasses.replace(r, images=tuple(record for _, record in decoded), mask=mask_record,
+                                    strength=strength) for r in requests]
     cfg = 2 if config.cfg > 1 and adapter.uses_true_cfg(requests[0].negative_prompt,
                                                          call_kwargs(requests[0], adapter)) else 1
+    loras = _loras(body.loras, config)
     model = model_identity(config.checkpoint.source)
+    # The pipeline class is in the key when it is not the index's own (img2img, Kontext...), as in the job's.
+    own_class = config.checkpoint.pipeline_class == config.checkpoint.pipeline_class_name
+    pipeline = None if own_class else config.checkpoint.pipeline_class
     texts = [settings_text(r, model=config.checkpoint.source, pipeline=config.checkpoint.pipeline_class, tp=config.tp,
-                           dp=config.replicas, cfg=cfg, dtype=config.dtype, loras=[],
-                           key=settings_key(r, model=model, dtype=config.dtype))
+                           dp=config.replicas, cfg=cfg, dtype=config.dtype, loras=loras,
+                           key=settings_key(r, model=model, dtype=config.dtype, pipeline=pipeline,
+                                            loras=[{"sha256": lora["sha256"], "scale": lora["scale"]}
+                                                   for lora in loras]),
+                           ulysses=config.ulysses, ring=config.ring)
              for r in requests]
-    return Work(requests, body.response_format, texts, call_kwargs(requests[0], adapter))
+    kwargs = call_kwargs(requests[0], adapter) | ({} if strength is None else {"strength": strength})
+    return Work(requests, body.response_format, texts, kwargs, tuple(upload.data for upload in images),
+                None if mask is None else mask.data, tuple((lora["source"], lora["scale"]) for lora in loras))
+
+
+def _loras(choices: list[LoraChoice], config: ServeConfig) -> list[dict]:
+    """The records (source, scale, sha256: what the job's outputs record) of the LoRAs a request chose."""
+    records = []
+    for choice in choices:
+        if choice.name not in config.loras:
+            offered = ", ".join(sorted(config.loras)) or "none (start it with --lora NAME=SOURCE[:SCALE])"
+            raise ValueError(f"unknown LoRA {choice.name!r}: this server offers {offered}.")
+        record = config.loras[choice.name]
+        records.append({**record, "scale": record["scale"] if choice.scale is None else choice.scale})
+    return records
 
 
 def _guidance(body: ImageRequest, adapter) -> dict:

@@ -4,7 +4,7 @@ A dispatcher takes the next request as soon as its replica is free, sends it ove
 for the answer and hands it to the waiting HTTP handler through a `concurrent.futures.Future`: replicas work
 concurrently, each on one request at a time, in arrival order. A full queue is refused at once (HTTP 429) rather
 than letting clients wait without bound. `stop` lets the dispatchers finish what is queued, then sends every replica
-the task that ends its loop.
+the task that ends its loop; `fail` (a rank is gone) answers everything queued and in flight with 503 at once.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class Scheduler:
 
     def submit(self, task: dict, images: int) -> Future:
         """Queue `task` for the next free replica; raises `NotAccepting` or `QueueFull` instead of waiting."""
+        if self.failure is not None:
+            raise NotAccepting(f"the server is failing ({self.failure}) and exits; retry on its replacement")
         if self._stopping.is_set():
             raise NotAccepting("the server is shutting down")
         if not self.ready.is_set():
@@ -78,6 +80,23 @@ class Scheduler:
         for thread in self._threads:
             thread.join()
 
+    def fail(self, failure: str) -> None:
+        """A rank is gone (see `liveness.py`): `/health` says so, and no request waits for an answer that cannot come
+        (every queued one and each one in flight is answered 503)."""
+        self.failure = failure
+        self._stopping.set()
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_result(self._failed())
+
+    def _failed(self) -> dict:
+        return {"error": {"status": 503, "type": "server_error", "kind": "unhealthy",
+                          "message": f"the server is failing ({self.failure}) and exits; retry on its replacement"}}
+
     def _dispatch(self, channel: Channel) -> None:
         number = 0
         while True:
@@ -89,17 +108,20 @@ class Scheduler:
                 continue
             if not job.future.set_running_or_notify_cancel():  # its client gave up while it was queued
                 continue
+            if self.failure is not None:
+                job.future.set_result(self._failed())
+                continue
             number += 1
             start = time.perf_counter()
             self.metrics.phase_seconds.labels("queue").inc(start - job.queued_at)
             self.metrics.busy_replicas.inc()
             try:
                 channel.send_task(number, job.task)
-                result = channel.receive_result(number)
+                result = channel.receive_result(number, give_up=lambda: self.failure is not None)
                 channel.forget(number)
-            except Exception as error:  # the store is gone: this replica cannot serve any more
-                self.failure = f"replica {channel.replica}: {error}"
-                job.future.set_exception(error)
+            except Exception as error:  # a rank or the store is gone: this replica cannot serve any more
+                self.failure = self.failure or f"replica {channel.replica}: {error}"
+                job.future.set_result(self._failed())
                 return
             finally:
                 self.metrics.busy_replicas.dec()

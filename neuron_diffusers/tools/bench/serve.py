@@ -164,6 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="flux", help="checkpoint folder or tiny family (default: flux)")
     parser.add_argument("--nproc", type=positive_int, default=2, help="ranks (default 2)")
     parser.add_argument("--tp", type=positive_int, default=None, help="TP degree (default: all ranks)")
+    parser.add_argument("--ulysses", type=positive_int, default=1, help="context parallelism (Ulysses degree)")
+    parser.add_argument("--ring", type=positive_int, default=1, help="context parallelism (ring degree)")
     parser.add_argument("--cfg-parallel", action="store_true")
     parser.add_argument("--requests", type=positive_int, default=16, help="requests per round (at most 1000)")
     parser.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight (at most 64)")
@@ -178,7 +180,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("bench serve is bounded: --requests at most 1000, --concurrency at most 64.")
     if not re.fullmatch(r"[0-9]+x[0-9]+", args.size):
         raise ValueError(f"--size {args.size}: use WIDTHxHEIGHT, e.g. 128x128.")
-    mesh_args = (["--tp", str(args.tp)] if args.tp else []) + (["--cfg-parallel"] if args.cfg_parallel else [])
+    mesh_args = ((["--tp", str(args.tp)] if args.tp else []) + (["--cfg-parallel"] if args.cfg_parallel else [])
+                 + [f"--{name}={degree}" for name, degree in (("ulysses", args.ulysses), ("ring", args.ring))
+                    if degree > 1])
     body = {"prompt": "a red fox", "size": args.size, "num_inference_steps": args.steps}
     served, batch = [], []
     # One server for every round; the batch job's rounds alternate with the server's (which then sits idle), so

@@ -1,0 +1,105 @@
+"""Noticing a dead rank while the server idles: heartbeats through the process group's store.
+
+A collective notices a lost peer only while one is in flight; an idle server waits in the store for its next task,
+where nothing fails when a peer is gone, so `/health` would stay 200 on a server that can no longer answer. Each
+rank therefore counts up its own key every `BEAT_S` seconds (`store.add`: atomic, never blocks) from a thread, and
+watches: rank 0 every other rank, the others rank 0 and the failure rank 0 announces. A counter that has not moved
+for `dead_after_s` (measured on the watcher's own clock, so clocks need not agree) means its rank is gone; so does a
+store that no longer answers. The watcher then calls `on_failure` (rank 0: `/health` 503, the queue answered 503),
+the replica loop gives up (exit 1), and if this process is stuck in a collective with the dead peer it is ended
+`EXIT_GRACE_S` later anyway. A rank that leaves normally says so first, so it is never taken for dead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from .channel import PREFIX
+
+#: Seconds between two heartbeats (and two looks at the others').
+BEAT_S = 0.25
+#: Seconds a process whose peer died may take to leave by itself before it is ended (stuck in a collective).
+EXIT_GRACE_S = 5.0
+FAILED = f"{PREFIX}/failed"
+
+
+def _alive(rank: int) -> str:
+    return f"{PREFIX}/alive/{rank}"
+
+
+def _left(rank: int) -> str:
+    return f"{PREFIX}/left/{rank}"
+
+
+class Liveness:
+    """This rank's heartbeat and its watch over the ranks it depends on; `failure` says why serving must end."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, dead_after_s: float,
+                 on_failure: Callable[[str], None] = lambda message: None,
+                 exit_process: Callable[[int], None] = os._exit):
+        self.store, self.rank, self.dead_after_s = store, rank, dead_after_s
+        self.watched = [r for r in range(world_size) if r != rank] if rank == 0 else [0]
+        self.on_failure, self.exit_process = on_failure, exit_process
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="liveness", daemon=True)
+
+    def start(self) -> Liveness:
+        self.store.add(_alive(self.rank), 1)
+        self._thread.start()
+        return self
+
+    def leave(self) -> None:
+        """Stop beating and watching, saying so first: from now on this rank's silence is not a death."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.store.set(_left(self.rank), "1")
+        except dist.DistError:  # the store is gone: nobody is left to tell
+            pass
+
+    def _run(self) -> None:
+        seen = {rank: (-1, time.monotonic()) for rank in self.watched}
+        while not self._stop.wait(BEAT_S):
+            try:
+                self.store.add(_alive(self.rank), 1)
+                failure = self._look(seen)
+            except dist.DistError as error:  # the store's host (rank 0, or torchrun's agent) is gone
+                failure = f"the process group's store does not answer ({error})"
+            if failure is not None and not self._stop.is_set():
+                self._fail(failure)
+                return
+
+    def _look(self, seen: dict[int, tuple[int, float]]) -> str | None:
+        if self.rank != 0 and self.store.check([FAILED]):
+            return self.store.get(FAILED).decode()
+        now = time.monotonic()
+        for rank, (count, since) in seen.items():
+            current = self.store.add(_alive(rank), 0)
+            if current != count:
+                seen[rank] = (current, now)
+            elif now - since > self.dead_after_s and not self.store.check([_left(rank)]):
+                return (f"rank {rank} is gone: no heartbeat for {now - since:.1f} s (--peer-timeout "
+                        f"{self.dead_after_s:g})")
+        return None
+
+    def _fail(self, failure: str) -> None:
+        self.failure = failure
+        print(f"neuron-diffusers serve: error on rank {self.rank}: {failure}; stopping", file=sys.stderr, flush=True)
+        try:
+            if self.rank == 0:
+                self.store.set(FAILED, failure)  # every other rank learns it at its next look
+        except dist.DistError:
+            pass
+        self.on_failure(failure)
+        # The replica loop notices `failure` within a poll and returns; a rank stuck in a collective with the dead
+        # peer (NCCL and Neuron wait for the collective timeout) is ended here instead.
+        if not self._stop.wait(EXIT_GRACE_S):
+            sys.stderr.flush()
+            self.exit_process(1)
