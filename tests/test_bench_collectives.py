@@ -43,4 +43,4 @@ def test_counter_sees_a_plain_torch_distributed_all_reduce():
 
 def test_table_renders(measured):
     table = bench_collectives.format_table(measured)
-    assert "| flux | ours |" in table and "no stock plan" in table
+    assert "| flux | default |" in table and "no stock plan" in table

@@ -23,6 +23,11 @@ def checks(tiny_checkpoint):
     return run_on_cpu_ranks(coalesce_jobs.coalesce_checks, 2, checkpoints, calls)
 
 
+#: All-gathers per forward of the default plan: one, of the gathered modulation; Qwen-Image-2.1's default is stock's
+#: plan, none (its lean plan gathers, checked against one process in tests/test_plans.py).
+GATHERS = {"qwenimage21": 0}
+
+
 @pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_equals_stock_tp_and_one_process(checks, family):
     for report in checks:
@@ -30,7 +35,7 @@ def test_equals_stock_tp_and_one_process(checks, family):
         assert entry["vs_single"] < 1e-5
         # Stock TP; for MiniMax-H3 (no stock plan) ours with one collective per Linear, as stock would issue them.
         assert entry["vs_stock"] <= 1e-6, entry["vs_stock"]
-        assert entry["calls"].get("all_gather") == 1, entry["calls"]
+        assert entry["calls"].get("all_gather", 0) == GATHERS.get(family, 1), entry["calls"]
         if family in DUAL_STREAM:  # paired reductions: fewer calls than the reference on the same inputs
             assert entry["calls"]["all_reduce"] < entry["reference_calls"]["all_reduce"], entry
         assert entry["stale"] == [], "hoisted outputs outlived the forward"
