@@ -711,6 +711,8 @@ def vae_encode_output(parameters: torch.Tensor, return_dict: bool = True):
     """What a KL VAE's `encode(x, return_dict)` returns, rebuilt from its posterior's `parameters`."""
     posterior = vae_module.DiagonalGaussianDistribution(parameters)
     return modeling_outputs.AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+
+
 # --- Qwen-Image-2.1: exact text padding (pipelines/qwenimage21.py) ----------------------------------------------
 
 
