@@ -418,7 +418,7 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         meta = checkpoint.meta("transformer")
         check_cache(cache, meta, compiled_block_classes(meta, adapter) if args.compile else None)
     mode = context.runner_mode(checkpoint.family.display_name, adapter.cp_text, args.ulysses, args.ring,
-                               args.cp_any_length, adapter.cp_block_causal) if cp > 1 else None
+                               args.cp_any_length, block_causal=adapter.cp_block_causal) if cp > 1 else None
     if mode is not None and mode.any_length and args.compile:
         raise ValueError(
             f"--compile with context parallelism needs static shapes, but {checkpoint.family.display_name} would run "

@@ -482,7 +482,7 @@ def load_pipeline(
         # Qwen-Image-2.1's text is padded by its buckets alone: without them, any length (`ulysses_anything`).
         text = "none" if adapter.cp_block_causal and not buckets else adapter.cp_text
         mode = context.runner_mode(checkpoint.family.display_name, text, dim_size(mesh, "ulysses"),
-                                   dim_size(mesh, "ring"), cp_any_length, adapter.cp_block_causal)
+                                   dim_size(mesh, "ring"), cp_any_length, block_causal=adapter.cp_block_causal)
         buckets = context.round_buckets(buckets, degree) if mode.pad else ()
     # A degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is read
     # (see `parallel/patches.py`).

@@ -6,6 +6,7 @@ runner (`load_pipeline(...).generate(...)`, the job, CFG pairs), and a compiled 
 this process.
 """
 
+import functools
 import io
 
 import numpy as np
@@ -348,18 +349,20 @@ def test_mesh_order_keeps_ring_before_ulysses():
 
 
 def test_runner_mode_per_family_kind():
-    assert context.runner_mode("FLUX.1", "fixed", 2, 2, False) == context.RunnerMode(False, False, True)
-    assert context.runner_mode("Qwen-Image", "masked", 2, 1, False) == context.RunnerMode(False, False, True)
+    mode = functools.partial(context.runner_mode, block_causal=False)
+    assert mode("FLUX.1", "fixed", 2, 2, False) == context.RunnerMode(False, False, True)
+    assert mode("Qwen-Image", "masked", 2, 1, False) == context.RunnerMode(False, False, True)
     # ring cannot take masked padding: ring alone runs unpadded in ring_anything, ring x ulysses is refused
-    assert context.runner_mode("Qwen-Image", "masked", 1, 2, False) == context.RunnerMode(False, True, False)
+    assert mode("Qwen-Image", "masked", 1, 2, False) == context.RunnerMode(False, True, False)
     with pytest.raises(ValueError, match="ring attention cannot take"):
-        context.runner_mode("MiniMax-H3", "masked", 2, 2, False)
-    assert context.runner_mode("Qwen-Image-2.1", "masked", 2, 1, False, True) == context.RunnerMode(False, False, True)
-    assert context.runner_mode("Qwen-Image-2.1", "none", 2, 1, False, True) == context.RunnerMode(True, False, True)
+        context.runner_mode("MiniMax-H3", "masked", 2, 2, False, block_causal=False)
+    causal = functools.partial(context.runner_mode, block_causal=True)
+    assert causal("Qwen-Image-2.1", "masked", 2, 1, False) == context.RunnerMode(False, False, True)
+    assert causal("Qwen-Image-2.1", "none", 2, 1, False) == context.RunnerMode(True, False, True)
     with pytest.raises(ValueError, match="block-causal attention needs Ulysses"):
-        context.runner_mode("Qwen-Image-2.1", "masked", 1, 2, False, True)
+        context.runner_mode("Qwen-Image-2.1", "masked", 1, 2, False, block_causal=True)
     with pytest.raises(ValueError, match="Ulysses or ring alone"):
-        context.runner_mode("FLUX.1", "fixed", 2, 2, True)
+        context.runner_mode("FLUX.1", "fixed", 2, 2, True, block_causal=False)
     assert context.round_buckets((64, 128, 256), 3) == (66, 129, 258)
 
 

@@ -176,13 +176,14 @@ class RunnerMode(NamedTuple):
         return self.ulysses_anything or self.ring_anything
 
 
-def runner_mode(display_name: str, text: str, ulysses: int, ring: int, any_length: bool,
-                block_causal: bool = False) -> RunnerMode:
+def runner_mode(display_name: str, text: str, ulysses: int, ring: int, any_length: bool, *,
+                block_causal: bool) -> RunnerMode:
     """Which diffusers mode gives `display_name` the exact image at any prompt length, or a clear refusal.
 
     `text` is the adapter's `cp_text`: "fixed" (the pipeline pads to `max_sequence_length` itself), "masked"
     (padding with masked positions makes lengths static), or "none" (no padding here: the `*_anything` modes).
-    `block_causal` (the adapter's `cp_block_causal`): ring attention cannot run it.
+    `block_causal` (the adapter's `cp_block_causal`): ring attention cannot run it. Required, so that no caller
+    (job, serve, runner) checks a block-causal model as if it were not.
     """
     if ulysses * ring == 1:
         return RunnerMode(False, False, pad=True)

@@ -174,7 +174,7 @@ def plan_server(args, world_size: int, device_type: str):
     check_cfg_degree(pairs, tp, world_size)
     check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs)
     mode = context.runner_mode(checkpoint.family.display_name, adapter.cp_text, args.ulysses, args.ring,
-                               args.cp_any_length) if cp > 1 else None
+                               args.cp_any_length, block_causal=adapter.cp_block_causal) if cp > 1 else None
     if mode is not None:
         if mode.any_length and args.compile:
             raise ValueError(f"--compile with context parallelism needs static shapes, but "
