@@ -421,8 +421,15 @@ def test_server_with_ulysses_and_a_rank_killed_while_idle(job_image):
         ranks.append(subprocess.Popen([sys.executable, "-m", "neuron_diffusers", "serve", "--port", "0", "--tp", "1",
                                        "--ulysses", "2", "--steps", "2", "--peer-timeout", "2"], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    lines = []
-    threading.Thread(target=lambda: lines.extend(ranks[0].stdout), daemon=True).start()
+    lines, failure_seen = [], []
+
+    def read():
+        for line in ranks[0].stdout:
+            lines.append(line)
+            if "rank 1 is gone" in line:
+                failure_seen.append(time.monotonic())
+
+    threading.Thread(target=read, daemon=True).start()
     try:
         url = _wait_ready(lines, ranks[0])
         with httpx.Client(timeout=120) as client:
@@ -440,17 +447,24 @@ def test_server_with_ulysses_and_a_rank_killed_while_idle(job_image):
 
         ranks[1].kill()
         killed = time.monotonic()
-        health = []
-        while ranks[0].poll() is None and time.monotonic() - killed < 60:
+        health = []  # (when the request was sent, what came back)
+        while time.monotonic() - killed < 60:
+            exited = ranks[0].poll() is not None  # so the last request is sent after the exit, hence after the log
+            asked = time.monotonic()
             try:
-                health.append(httpx.get(url + "/health", timeout=2).status_code)
+                health.append((asked, httpx.get(url + "/health", timeout=2).status_code))
             except httpx.HTTPError:
-                health.append("gone")
-            time.sleep(0.1)
+                health.append((asked, "gone"))
+            if exited:
+                break
+            time.sleep(0.05)
         assert ranks[0].wait(5) == 1, "".join(lines[-30:])
         assert time.monotonic() - killed < 2 + liveness.EXIT_GRACE_S + 10
-        assert health[-1] != 200 and 200 not in health[health.index(503 if 503 in health else "gone"):], health
-        assert any("rank 1 is gone" in line for line in lines), "".join(lines[-30:])
+        time.sleep(0.5)  # the reader thread takes the last lines
+        assert failure_seen, "".join(lines[-30:])
+        # Rank 0 logs the death only once /health says so: no request sent after that line may find it healthy.
+        after = [status for asked, status in health if asked > failure_seen[0]]
+        assert after and 200 not in after, health
     finally:
         for process in ranks:
             if process.poll() is None:

@@ -236,8 +236,7 @@ def main(args: argparse.Namespace) -> int:
                         on_failure=front.scheduler.fail if front is not None else lambda failure: None).start()
     try:
         pipe = load_pipeline(config.checkpoint, mesh, torch_dtype=getattr(torch, config.dtype),
-                             cp_any_length=args.cp_any_length,
-                             parallel_vae=False if config.ulysses * config.ring > 1 else None)
+                             cp_any_length=args.cp_any_length)
         if args.compile:
             compile_repeated_blocks(pipe, backend=args.compile)
             warmup(pipe, list(args.sizes), num_inference_steps=2)

@@ -91,13 +91,14 @@ class Liveness:
 
     def _fail(self, failure: str) -> None:
         self.failure = failure
-        print(f"neuron-diffusers serve: error on rank {self.rank}: {failure}; stopping", file=sys.stderr, flush=True)
         try:
             if self.rank == 0:
                 self.store.set(FAILED, failure)  # every other rank learns it at its next look
         except dist.DistError:
             pass
         self.on_failure(failure)
+        # Logged once `/health` already says so: whoever reads this line finds the server failing, never healthy.
+        print(f"neuron-diffusers serve: error on rank {self.rank}: {failure}; stopping", file=sys.stderr, flush=True)
         # The replica loop notices `failure` within a poll and returns; a rank stuck in a collective with the dead
         # peer (NCCL and Neuron wait for the collective timeout) is ended here instead.
         if not self._stop.wait(EXIT_GRACE_S):
