@@ -321,6 +321,7 @@ def build_requests(entries: list[dict], *, seed: int, height: int, width: int, s
         )
         own_size = "height" in entry or "width" in entry
         limits.check(request.height, request.width, entry["_where"] if own_size else "--height/--width", max_pixels)
+        limits.check_steps(request.steps, entry["_where"] if "steps" in entry else "--steps")
         requests.append(request)
     return requests
 
@@ -417,14 +418,7 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
         # Tried on the meta-device transformer (no weights), with the blocks `--compile` would compile.
         meta = checkpoint.meta("transformer")
         check_cache(cache, meta, compiled_block_classes(meta, adapter) if args.compile else None)
-    mode = context.runner_mode(checkpoint.family.display_name, adapter.cp_text, args.ulysses, args.ring,
-                               args.cp_any_length, block_causal=adapter.cp_block_causal) if cp > 1 else None
-    if mode is not None and mode.any_length and args.compile:
-        raise ValueError(
-            f"--compile with context parallelism needs static shapes, but {checkpoint.family.display_name} would run "
-            f"diffusers' {'ulysses' if mode.ulysses_anything else 'ring'}_anything mode here (any length, a host sync "
-            "per attention call). Drop --compile, or --cp-any-length / the ring + padding combination."
-        )
+    mode = context_mode(checkpoint, args.ulysses, args.ring, args.cp_any_length, compiled=bool(args.compile))
     if args.negative_prompt is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")
     if args.guidance is not None and adapter.guidance_kwarg is None:
@@ -462,15 +456,8 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     if pairs > 1 and not true_cfg:
         notes.append(_no_pairs_note(adapter, world_size, tp, cp))
         pairs = 1
-    if pairs > 1 and not adapter.names_cfg_branches:
-        raise ValueError(f"--cfg-parallel cannot split {adapter.pipeline_class}'s true CFG: it calls its transformer "
-                         "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
-                         "--cfg-parallel (the requests then run with serial CFG).")
-    check_cfg_degree(pairs, tp, world_size)  # only once pairs are known to be needed: a fallback runs on any world
-    if cp > 1:
-        heads = checkpoint.config("transformer").get("num_attention_heads")
-        context.check_layout(checkpoint.family.display_name, heads, world_size, tp=tp, ulysses=args.ulysses,
-                             ring=args.ring, cfg=pairs, ulysses_anything=mode.ulysses_anything)
+    # Only once pairs are known to be needed: a fallback runs on any world.
+    check_mesh(checkpoint, world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs, mode=mode)
     min_pixels = resolve_parallel_vae(args.parallel_vae, checkpoint.component_class_name("vae"), tp * cp)
     parallel_vae = args.parallel_vae
     if parallel_vae is None and min_pixels is not None and all(r.height * r.width < min_pixels for r in requests):
@@ -496,6 +483,39 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
                    true_cfg=true_cfg, notes=notes, keys=keys, done=done, job_digest=job_digest, loras=lora_records,
                    cache=cache, ulysses=args.ulysses, ring=args.ring, cp_any_length=args.cp_any_length,
                    mesh_order=args.mesh_order, parallel_vae=parallel_vae, tp_plan=args.plan)
+
+
+def context_mode(checkpoint: Checkpoint, ulysses: int, ring: int, any_length: bool, *,
+                 compiled: bool) -> context.RunnerMode | None:
+    """How context parallelism runs this family (None without it), refusing `--compile` where that would be one of
+    diffusers' `*_anything` modes: any length means no static shapes, so every new length would recompile."""
+    if ulysses * ring == 1:
+        return None
+    name, adapter = checkpoint.family.display_name, checkpoint.adapter
+    mode = context.runner_mode(name, adapter.cp_text, ulysses, ring, any_length, block_causal=adapter.cp_block_causal)
+    if mode.any_length and compiled:
+        raise ValueError(
+            f"--compile with context parallelism needs static shapes, but {name} would run diffusers' "
+            f"{'ulysses' if mode.ulysses_anything else 'ring'}_anything mode here (any length, a host sync per "
+            "attention call). Drop --compile, or --cp-any-length / the ring + padding combination."
+        )
+    return mode
+
+
+def check_mesh(checkpoint: Checkpoint, world_size: int, *, tp: int, ulysses: int, ring: int, cfg: int,
+               mode: context.RunnerMode | None) -> None:
+    """The CFG pairs and the context-parallel layout against the model, once the pairs are settled: the job and
+    `serve` share these rules (and their messages)."""
+    adapter = checkpoint.adapter
+    if cfg > 1 and not adapter.names_cfg_branches:
+        raise ValueError(f"--cfg-parallel cannot split {adapter.pipeline_class}'s true CFG: it calls its transformer "
+                         "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
+                         "--cfg-parallel (true CFG then runs its two branches one after the other).")
+    check_cfg_degree(cfg, tp, world_size)
+    if mode is not None:
+        heads = checkpoint.config("transformer").get("num_attention_heads")
+        context.check_layout(checkpoint.family.display_name, heads, world_size, tp=tp, ulysses=ulysses, ring=ring,
+                             cfg=cfg, ulysses_anything=mode.ulysses_anything)
 
 
 def _no_pairs_note(adapter, world_size: int, tp: int, cp: int = 1) -> str:

@@ -226,6 +226,8 @@ class TPPipeline:
             smallest = self.size_limits.multiple
             self.size_limits.check(pipeline_kwargs.get("height", smallest), pipeline_kwargs.get("width", smallest),
                                    "`generate`")
+        if self.size_limits is not None:
+            self.size_limits.check_steps(pipeline_kwargs.get("num_inference_steps"), "`generate`")
         return list(prompts)
 
     def _make(self, prompt: str, negative: str | None, encode_kwargs: dict, seed: int, joint: bool,

@@ -6,6 +6,7 @@ import statistics
 from PIL import Image
 
 from neuron_diffusers.cli import main
+from neuron_diffusers.tools.bench.step import one_process_after
 
 
 def test_bench_step_measures_every_variant_beside_one_process(tmp_path, capsys):
@@ -22,6 +23,7 @@ def test_bench_step_measures_every_variant_beside_one_process(tmp_path, capsys):
     assert result["ideal_s"] == result["median_s"]["one process"] / 2
     assert result["vs_stock"]["lean"] == result["median_s"]["lean"] / result["median_s"]["stock"]
     assert all(diff < 1e-5 for diff in result["max_abs_diff"].values()), result["max_abs_diff"]
+    assert result["one_process_after"] is False  # tiny: everything fits, all four in alternation
     assert json.loads((out / "step.json").read_text()) == [result]
     table = (out / "step.md").read_text()
     assert "| Qwen-Image-2.1 | layers=1 |" in table and "(lean)" in table
@@ -32,3 +34,16 @@ def test_bench_step_measures_every_variant_beside_one_process(tmp_path, capsys):
 def test_a_token_count_that_is_not_square_is_refused(capsys):
     assert main(["bench", "step", "--family", "flux", "--width", "tiny", "--tokens", "63"]) == 2
     assert "--tokens 63 is not a square number" in capsys.readouterr().err
+
+
+def test_one_process_after_the_tp_copies_when_they_would_not_fit(capsys):
+    """FLUX.2's real-width copies do not fit a 24 GiB host together: the whole model is timed after the TP ones."""
+    assert one_process_after(2_290_000_000, 2, available=24 * 2**30)  # FLUX.2's slice: 3 x 9.2 GB
+    assert not one_process_after(550_000_000, 2, available=24 * 2**30)  # FLUX.1's: 3 x 2.2 GB
+    assert main(["bench", "step", "--family", "flux", "--width", "tiny", "--tokens", "64", "--text", "16",
+                 "--repeats", "1", "--one-process", "after", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    assert result["one_process_after"] is True
+    assert {label: len(samples) for label, samples in result["seconds"].items()} == \
+        {"default": 1, "stock": 1, "one process": 1}
+    assert all(diff < 1e-5 for diff in result["max_abs_diff"].values()), result["max_abs_diff"]

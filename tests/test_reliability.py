@@ -189,6 +189,13 @@ BAD_INPUT = {
     "above the model's rotary table": (lambda t, c: ["--prompt", "a fox", "--model", "qwenimage21", "--height",
                                                      "32800", "--width", "32", "--max-pixels", str(10**10)],
                                        "holds 1024 negative positions"),
+    "one step of a terminal-stretched schedule": (
+        lambda t, c: ["--prompt", "a fox", "--model", "qwenimage", "--steps", "1"],
+        "--steps: 1 denoising step(s) cannot run with this model's scheduler: its sigmas are stretched to end at "
+        "shift_terminal=0.02"),
+    "per-line one step of a terminal-stretched schedule": (
+        lambda t, c: ["--model", "qwenimage", "--prompts", _write(t, "p.jsonl", '{"prompt": "a", "steps": 1}\n')],
+        "p.jsonl, line 1: 1 denoising step(s) cannot run"),
     "--out looks like a file name": (lambda t, c: ["--prompt", "a fox", "--out", str(t / "fox.png")],
                                      "looks like a file name, but --out names a folder"),
     "--out cannot be written": (lambda t, c: ["--prompt", "a fox", "--out", "/proc/neuron-diffusers-out"],

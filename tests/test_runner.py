@@ -86,3 +86,5 @@ def test_inputs_generate_owns_or_cannot_run_are_refused_with_the_reason(runner_r
         assert "encodes each prompt once on the group leader" in refused["prompt_embeds"]
         assert "pass `seed`" in refused["generator"] and "same noise" in refused["latents"]
         assert "Upsample it beforehand" in refused["caption_upsample_temperature"]
+        if family == "qwenimage":
+            assert "1 denoising step(s) cannot run" in refused["one_step"], refused["one_step"]

@@ -65,6 +65,8 @@ def test_family_rules_and_compiled_sizes():
         plan_work(ImageRequest(prompt="a fox", guidance_scale=4.0), _config("qwenimage"))
     with pytest.raises(ValueError, match="guidance-distilled"):
         plan_work(ImageRequest(prompt="a fox", negative_prompt="blur"), _config("flux2"))
+    with pytest.raises(ValueError, match="request: 1 denoising step.*shift_terminal=0.02"):
+        plan_work(ImageRequest(prompt="a fox", num_inference_steps=1), _config("qwenimage"))
     with pytest.raises(ValueError, match="compiled for 64x32 only"):
         plan_work(ImageRequest(prompt="a fox", size="32x32"), _config(sizes=((32, 64),)))
     work = plan_work(ImageRequest(prompt="a fox", size="64x32"), _config(sizes=((32, 64),)))

@@ -89,6 +89,15 @@ class SizeLimits:
     side_reason: str = ""
     max_pixels: int | None = None
     pixels_reason: str = ""
+    #: The fewest denoising steps the scheduler's schedule survives, and why (see `PipelineAdapter.min_steps`).
+    min_steps: int = 1
+    steps_reason: str = ""
+
+    def check_steps(self, steps, where: str) -> None:
+        """Raise a `ValueError` starting with `where` for a step count this checkpoint's scheduler cannot run."""
+        if isinstance(steps, int) and not isinstance(steps, bool) and 0 < steps < self.min_steps:
+            raise ValueError(f"{where}: {steps} denoising step(s) cannot run with this model's scheduler: "
+                             f"{self.steps_reason}. Use {self.min_steps} steps or more.")
 
     def check(self, height, width, where: str, pixel_cap: int | None = None) -> None:
         """Raise a `ValueError` starting with `where` for a size this model cannot (or, above `pixel_cap`, should
@@ -203,7 +212,19 @@ class PipelineAdapter:
 
     def size_limits(self, checkpoint: Checkpoint) -> SizeLimits:
         """The sizes this checkpoint can make (read from its configs, no weights)."""
-        return SizeLimits(self.size_multiple(checkpoint), *self.max_side(checkpoint), *self.max_pixels(checkpoint))
+        return SizeLimits(self.size_multiple(checkpoint), *self.max_side(checkpoint), *self.max_pixels(checkpoint),
+                          *self.min_steps(checkpoint))
+
+    def min_steps(self, checkpoint: Checkpoint) -> tuple[int, str]:
+        """The fewest steps the scheduler survives, and why. A flow-matching schedule stretched to end at
+        `shift_terminal` (Qwen-Image's 0.02) divides by the distance of its last sigma from 1, which is 0 with one
+        step: the latents would be NaN, found only after the whole call ran."""
+        file = checkpoint.path / "scheduler" / "scheduler_config.json"
+        if file.is_file() and checkpoint.config("scheduler", "scheduler_config.json").get("shift_terminal"):
+            terminal = checkpoint.config("scheduler", "scheduler_config.json")["shift_terminal"]
+            return 2, (f"its sigmas are stretched to end at shift_terminal={terminal:g}, which one step turns into "
+                       "0 / 0 (NaN latents)")
+        return 1, ""
 
     def max_side(self, checkpoint: Checkpoint) -> tuple[int | None, str]:
         """The largest height or width whose positions the transformer can encode, and why (None: no table limits

@@ -35,7 +35,6 @@ from ..cli import positive_float, positive_int
 from ..compile import compile_repeated_blocks, resolve_backend, warmup
 from ..consistency import CallEntry
 from ..distributed import (
-    check_cfg_degree,
     check_cp_degrees,
     check_tp_degree,
     default_store,
@@ -43,8 +42,7 @@ from ..distributed import (
     init_distributed,
     leave_together,
 )
-from ..job import DEFAULT_MAX_PIXELS, DTYPES, check_out_dir, out_folder
-from ..parallel import context
+from ..job import DEFAULT_MAX_PIXELS, DTYPES, check_mesh, check_out_dir, context_mode, out_folder
 from ..parallel.lora import LoraSpec, check_loras, parse_lora_option
 from ..runner import load_pipeline
 from .channel import Channel
@@ -167,22 +165,9 @@ def plan_server(args, world_size: int, device_type: str):
         print(f"neuron-diffusers serve: note: --cfg-parallel: {adapter.pipeline_class} is guidance-distilled (no true "
               "CFG), so the cfg ranks serve as more replicas instead.", file=sys.stderr)
         pairs = 1
-    if pairs > 1 and not adapter.names_cfg_branches:
-        raise ValueError(f"--cfg-parallel cannot split {adapter.pipeline_class}'s true CFG: it calls its transformer "
-                         "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
-                         "--cfg-parallel.")
-    check_cfg_degree(pairs, tp, world_size)
     check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs)
-    mode = context.runner_mode(checkpoint.family.display_name, adapter.cp_text, args.ulysses, args.ring,
-                               args.cp_any_length, block_causal=adapter.cp_block_causal) if cp > 1 else None
-    if mode is not None:
-        if mode.any_length and args.compile:
-            raise ValueError(f"--compile with context parallelism needs static shapes, but "
-                             f"{checkpoint.family.display_name} would run diffusers' *_anything mode here (any length, "
-                             "a host sync per attention call). Drop --compile or --cp-any-length.")
-        context.check_layout(checkpoint.family.display_name, checkpoint.config("transformer").get(
-            "num_attention_heads"), world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
-            ulysses_anything=mode.ulysses_anything)
+    mode = context_mode(checkpoint, args.ulysses, args.ring, args.cp_any_length, compiled=bool(args.compile))
+    check_mesh(checkpoint, world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs, mode=mode)
     limits = adapter.size_limits(checkpoint)
     default = tiny.default_size(args.model) if args.model in tiny.FAMILIES else (1024, 1024)
     config = ServeConfig(checkpoint, limits, args.sizes[0] if args.sizes else default, args.steps, args.max_steps,

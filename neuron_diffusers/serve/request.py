@@ -175,7 +175,7 @@ def plan_work(body: ImageRequest, config: ServeConfig, images: tuple[Upload, ...
     if steps > config.max_steps:
         raise ValueError(f"num_inference_steps {steps} is above this server's limit of {config.max_steps} "
                          "(--max-steps).")
-    entry = {"prompt": body.prompt, "height": height, "width": width, "_where": "request"}
+    entry = {"prompt": body.prompt, "height": height, "width": width, "steps": steps, "_where": "request"}
     if body.negative_prompt is not None:
         entry["negative_prompt"] = body.negative_prompt
     entry.update(_guidance(body, adapter))

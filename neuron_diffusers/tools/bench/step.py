@@ -13,13 +13,16 @@ our plans and diffusers' own stream each rank's slice (`from_pretrained(parallel
 the whole model on rank 0 alone while the other ranks wait (one copy: FLUX.2's is about 9 GiB of float32). Each rank
 runs one thread (as `torchrun` sets it), so one process gets one core, as each TP rank does. After one warm-up
 forward of each, the variants run in alternation, `--repeats` times, and the median is reported: load from other
-processes hits all of them alike. Output of each TP variant is compared with the one-process output (max abs
-difference). What it prints is measured.
+processes hits all of them alike. Where the TP copies and a whole one would not fit in memory together (FLUX.2's
+9 GiB copies on a 24 GiB host), the whole one is loaded after the TP copies are freed and timed alone, marked
+"(after)" in the table and `one_process_after` in the JSON. Output of each TP variant is compared with the
+one-process output (max abs difference). What it prints is measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import math
@@ -113,7 +116,24 @@ def capture_call(family: str, tokens: int, text: int) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int) -> dict:
+def _alternate(models: dict, args: tuple, kwargs: dict, repeats: int, seconds: dict, outputs: dict) -> None:
+    """One warm-up forward of each model (lazy buffers, allocator), then `repeats` rounds of one forward each."""
+    with torch.no_grad():
+        for label, model in models.items():
+            dist.barrier()
+            if model is not None:
+                outputs[label] = predictions(forward_call(model, args, kwargs))
+        for _ in range(repeats):
+            for label, model in models.items():
+                dist.barrier()  # every rank starts each forward together (the others wait out one process's)
+                if model is not None:
+                    start = time.perf_counter()
+                    forward_call(model, args, kwargs)
+                    seconds.setdefault(label, []).append(time.perf_counter() - start)
+        dist.barrier()
+
+
+def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int, one_process_after: bool) -> dict:
     torch.set_num_threads(1)  # as torchrun does: the ranks share the host's cores
     tp = dist.get_world_size()
     mesh = init_distributed(tp=tp)["tp"]
@@ -126,22 +146,20 @@ def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int)
             models[label] = cls.from_pretrained(folder, subfolder="transformer",
                                                 parallel_config=TensorParallelConfig(mesh=mesh)).eval()
     alone = dist.get_rank() == 0
-    models["one process"] = cls.from_pretrained(folder, subfolder="transformer").eval() if alone else None
-    seconds = {label: [] for label in models}
-    outputs = {}
-    with torch.no_grad():
-        for label, model in models.items():  # warm-up: lazy buffers, allocator
-            dist.barrier()
-            if model is not None:
-                outputs[label] = predictions(forward_call(model, args, kwargs))
-        for _ in range(repeats):
-            for label, model in models.items():
-                dist.barrier()  # every rank starts each forward together (the others wait out one process's)
-                if model is not None:
-                    start = time.perf_counter()
-                    forward_call(model, args, kwargs)
-                    seconds[label].append(time.perf_counter() - start)
-        dist.barrier()
+
+    def one_process():
+        return cls.from_pretrained(folder, subfolder="transformer").eval() if alone else None
+
+    seconds, outputs = {}, {}
+    if one_process_after:  # the TP copies and a whole one do not fit together: the whole one runs after, alone
+        _alternate(models, args, kwargs, repeats, seconds, outputs)
+        models.clear()
+        gc.collect()
+        models["one process"] = one_process()
+        _alternate(models, args, kwargs, repeats, seconds, outputs)
+    else:
+        models["one process"] = one_process()
+        _alternate(models, args, kwargs, repeats, seconds, outputs)
     if not alone:
         return {}
     reference = outputs["one process"]
@@ -154,8 +172,27 @@ def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int)
             "params": sum(p.numel() for p in models["one process"].parameters())}
 
 
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none: then everything is assumed to fit)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def one_process_after(params: int, tp_plans: int, element_size: int = 4, available: int | None = None) -> bool:
+    """Whether the one-process model must wait for the TP copies to be freed: together they hold `tp_plans` + 1
+    whole copies of the weights, kept under 80% of the memory available (the rest: activations, the spawn)."""
+    available = _available_bytes() if available is None else available
+    return available is not None and (tp_plans + 1) * params * element_size > 0.8 * available
+
+
 def measure_family(family: str, *, tp: int = 2, blocks: int = 1, tokens: int = 4096, text: int = 512,
-                   repeats: int = 3, width: str = "full") -> dict:
+                   repeats: int = 3, width: str = "full", one_process: str = "auto") -> dict:
     """One family's figures: seconds per forward of each plan and of one process (all samples and the median), the
     ideal (one process / tp), and the ratios."""
     if tp < 2:
@@ -163,11 +200,17 @@ def measure_family(family: str, *, tp: int = 2, blocks: int = 1, tokens: int = 4
     config = bench_config(family, blocks, width)
     args, kwargs = capture_call(family, tokens, text)
     kwargs = widen(kwargs, config)
-    cls = families.get(family).model_class()
+    record = families.get(family)
+    cls = record.model_class()
     with tempfile.TemporaryDirectory(prefix="bench-step-") as folder:
         torch.manual_seed(0)
-        cls.from_config(config).save_pretrained(Path(folder) / "transformer")
-        rank0 = run_on_cpu_ranks(_rank_job, tp, family, folder, args, kwargs, repeats,
+        model = cls.from_config(config)
+        params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(Path(folder) / "transformer")
+        del model
+        after = (one_process == "after" if one_process != "auto"
+                 else one_process_after(params, len(record.plan_variants) + 1))
+        rank0 = run_on_cpu_ranks(_rank_job, tp, family, folder, args, kwargs, repeats, after,
                                  timeout_s=7200.0)[0]
     median = {label: statistics.median(values) for label, values in rank0["seconds"].items()}
     ideal = median["one process"] / tp
@@ -175,7 +218,8 @@ def measure_family(family: str, *, tp: int = 2, blocks: int = 1, tokens: int = 4
         "family": family, "name": families.get(family).display_name, "width": width, "tp": tp,
         "blocks": {field: blocks for field in DEPTH_FIELDS if field in config}, "params": rank0["params"],
         "image_tokens": kwargs["hidden_states"].shape[1], "text_tokens": kwargs["encoder_hidden_states"].shape[1],
-        "repeats": repeats, "seconds": rank0["seconds"], "median_s": median, "ideal_s": ideal,
+        "repeats": repeats, "one_process_after": after, "seconds": rank0["seconds"], "median_s": median,
+        "ideal_s": ideal,
         "vs_stock": {label: median[label] / median["stock"] for label in rank0["max_abs_diff"]},
         "vs_ideal": {label: median[label] / ideal for label in median},
         "max_abs_diff": rank0["max_abs_diff"],
@@ -197,7 +241,8 @@ def markdown(results: list[dict]) -> str:
         blocks = ", ".join(f"{field.removeprefix('num_')}={n}" for field, n in result["blocks"].items())
         ours = [label for label in result["vs_stock"] if label != "stock"]
         lines.append(
-            f"| {result['name']} | {blocks} | {median['one process']:.3f} | {result['ideal_s']:.3f} | "
+            f"| {result['name']} | {blocks} | {median['one process']:.3f}"
+            f"{' (after)' if result.get('one_process_after') else ''} | {result['ideal_s']:.3f} | "
             f"{median['stock']:.3f} | " + "<br>".join(f"{median[label]:.3f} ({label})" for label in ours) + " | "
             + "<br>".join(f"{result['vs_stock'][label]:.2f}x" for label in ours) + " | "
             + "<br>".join(f"{ratio[label]:.2f}x" for label in ours) + " |")
@@ -239,11 +284,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed forwards of each variant, after one warm-up")
     parser.add_argument("--width", choices=("full", "tiny"), default="full",
                         help="full: the released widths; tiny: the tiny checkpoints' (a quick check of the command)")
+    parser.add_argument("--one-process", choices=("auto", "alternate", "after"), default="auto",
+                        help="time the one-process model in alternation with the TP ones, or after them once they are "
+                             "freed (auto: after only where they would not fit in memory together)")
     parser.add_argument("--out", type=Path, default=None, help="folder for step.json / .md / .png")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
 
 
 def main(args: argparse.Namespace) -> None:
     results = run(args.family or list(FAMILIES), args.out, tp=args.tp, blocks=args.blocks, tokens=args.tokens,
-                  text=args.text, repeats=args.repeats, width=args.width)
+                  text=args.text, repeats=args.repeats, width=args.width, one_process=args.one_process)
     print(json.dumps(results, indent=2) if args.json else markdown(results), end="")
