@@ -1,9 +1,8 @@
 """`bench device --tiny`: every family's phases as JSON lines, 0 recompiles over 20 prompt lengths, measured figures;
 and `load_pipeline(transformer=...)`, which it loads through.
 
-The suite runs two families (FLUX.1, and Qwen-Image-2.1, whose text is bucketed by default): the same path for all
-five takes ~11 minutes on 2 CPU cores, most of it MiniMax-H3 decoding a 124-frame video per prompt.
-`neuron-diffusers bench device --tiny` runs all five."""
+All five families, as `neuron-diffusers bench device --tiny` runs them (its default backend, aot_eager): about
+1 min 50 s on 2 idle CPU cores."""
 
 import statistics
 from types import SimpleNamespace
@@ -19,13 +18,13 @@ from neuron_diffusers.tools.bench import device
 PHASES = ["build", "load", "warmup", "prompts", "ours", "stock_cpu_encoder", "stock", "done"]
 
 
-TESTED_FAMILIES = ["flux", "qwenimage21"]
+TESTED_FAMILIES = list(families.PIPELINE_FAMILIES)
 
 
 def test_tiny_run_prints_every_phase_of_every_family_with_measured_figures():
     lines = []
     # Each family's time box is a share of total_s: generous, since a shared 2-core machine takes minutes per family.
-    device.run(TESTED_FAMILIES, tiny=True, backend="aot_eager", total_s=1200, out=lines.append)
+    device.run(TESTED_FAMILIES, tiny=True, total_s=1200, out=lines.append)
     steps = []
     by_family = {name: [line for line in lines if line["family"] == name] for name in TESTED_FAMILIES}
     for name, rows in by_family.items():
@@ -34,9 +33,10 @@ def test_tiny_run_prints_every_phase_of_every_family_with_measured_figures():
         assert phases == [p for p in PHASES if not (name == "h3" and p == "stock_cpu_encoder")], (name, rows)
         row = {r["phase"]: r for r in rows}
         assert row["build"]["device"] == "cpu" and row["load"]["text_encoder_device"] == "cpu"
+        assert row["build"]["backend"] == "aot_eager"  # --tiny's default
         prompts = row["prompts"]
         assert prompts["prompts"] == 20 and len(set(prompts["words"])) == 20
-        assert prompts["static_shapes"], prompts  # both bucket their text by default
+        assert prompts["static_shapes"], prompts  # every family's text is bucketed or fixed by default
         assert prompts["prompts_run"] == 20 and prompts["recompiles"] == prompts["graphs"] == 0, prompts
         assert row["warmup"]["graphs"] > 0 and row["warmup"]["seconds"] > 0
         for run in ("ours", "stock"):

@@ -9,7 +9,9 @@ recompiles over 20 prompt lengths, then the median transformer step of ours vs s
 A family that hangs, runs out of memory or crashes prints its last phase and the next family starts: the time box
 of each is what is left of `--total-s` shared by the families still to run, so a fast family leaves more to the
 next. Lines are printed as they arrive, so whatever a time limit cuts off, the phases before it stand.
-`--tiny` runs the same path on the tiny checkpoints, on CPU (the test suite runs it).
+`--tiny` runs the same path on the tiny checkpoints, on CPU (the test suite runs it), compiling with `aot_eager` by
+default: what it checks (dynamo's graphs, guards and recompiles, our hooks inside compiled blocks) does not depend
+on the backend, and inductor's CPU C++ code generation, which no device run uses, would take most of its time.
 """
 
 from __future__ import annotations
@@ -85,10 +87,11 @@ def run_family(family: str, budget_s: float, tiny: bool, backend: str, out=print
     return results
 
 
-def run(names: list[str], tiny: bool = False, backend: str = "auto", total_s: float | None = None,
+def run(names: list[str], tiny: bool = False, backend: str | None = None, total_s: float | None = None,
         out=print) -> list[dict]:
     """Every family in `names`, one child process each, within `total_s` seconds in all."""
     total_s = (TINY_TOTAL_S if tiny else TOTAL_S) if total_s is None else total_s
+    backend = default_backend(tiny) if backend is None else backend
     deadline = time.monotonic() + total_s
     results = []
     for index, family in enumerate(names):
@@ -100,6 +103,11 @@ def run(names: list[str], tiny: bool = False, backend: str = "auto", total_s: fl
             continue
         results += run_family(family, budget, tiny, backend, out)
     return results
+
+
+def default_backend(tiny: bool) -> str:
+    """`aot_eager` for `--tiny` (see the module's docstring), else `auto`: neuron with TorchNeuron, else inductor."""
+    return "aot_eager" if tiny else "auto"
 
 
 def _text_line(result: dict) -> str:
@@ -128,8 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON lines, one per phase")
     parser.add_argument("--family", action="append", choices=families.PIPELINE_FAMILIES,
                         help="run only this family (repeatable; default: every family, in registry order)")
-    parser.add_argument("--backend", default="auto",
-                        help="torch.compile backend (default auto: neuron if installed, else inductor)")
+    parser.add_argument("--backend", default=None,
+                        help="torch.compile backend (default auto: neuron if installed, else inductor; with --tiny "
+                             "aot_eager)")
     parser.add_argument("--total-s", type=positive_float, default=None,
                         help=f"seconds for all families together (default {TOTAL_S:.0f}, --tiny {TINY_TOTAL_S:.0f})")
 
@@ -137,13 +146,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     from ...compile import resolve_backend  # imports torch: only when the command runs
 
-    resolve_backend(args.backend)  # an unknown backend fails here once, not in every family's process
+    backend = default_backend(args.tiny) if args.backend is None else args.backend
+    resolve_backend(backend)  # an unknown backend fails here once, not in every family's process
     names = args.family or list(families.PIPELINE_FAMILIES)
 
     def out(result: dict) -> None:
         print(json.dumps(result) if args.json else _text_line(result), flush=True)
 
-    results = run(names, tiny=args.tiny, backend=args.backend, total_s=args.total_s, out=out)
+    results = run(names, tiny=args.tiny, backend=backend, total_s=args.total_s, out=out)
     if not args.json:
         print()
         print(summary(results))
