@@ -266,7 +266,8 @@ class TPPipeline:
             images = shared_image_inputs(self.pipe, vae=self.follower_vae() if self.follower_vae else self.pipe.vae,
                                          encoder=self.encoder, tp_group=image_group(self.mesh), pair_group=cfg_group,
                                          device=mesh_device(self.mesh), decodes=self.is_leader or splits_vae,
-                                         text_encode=in_call, vae_splits=splits_vae)
+                                         text_encode=in_call, vae_splits=splits_vae,
+                                         pad_encoded=lambda encoded: self.adapter.pad_encoded(encoded, self.buckets))
         cache = self.cache
         with torch.no_grad(), self.times.phase("denoise + decode"), proxy, images, \
                 cache.pipeline_call() if cache is not None else nullcontext():

@@ -19,10 +19,13 @@ import torch
 from image_jobs import CASES, COMPARED, NEGATIVE, PROMPT, case_inputs, first_call_inputs, image_tp_checks
 
 from neuron_diffusers import tiny
+from neuron_diffusers.pipelines.qwenimage21 import QwenImage21Adapter
 from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 #: Classes whose vision-language text encoder reads the input images.
 READS_IMAGE = ("edit_plus", "qwenimage21", "edit_plus_cfg")
+#: Cases whose in-call encoding (`encode_prompt(image=...)`) is padded to the family's text buckets.
+PADDED = {"qwenimage21": QwenImage21Adapter.buckets}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,13 @@ def test_tp2_matches_the_stock_single_process_image_and_inputs(checkpoints, repo
     assert output.shape == image.shape
     assert np.abs(output - image).mean() < 1 / 255
     assert hidden_tp.shape == hidden.shape and np.abs(hidden_tp - hidden).max() < 1e-5, "noise or image latents"
+    if name in PADDED:  # the in-call encoding is padded to a bucket as the text-only path's is: zero rows, masked
+        length = text.shape[1]
+        assert text_tp.shape[1] in PADDED[name] and text_tp.shape[1] > length, text_tp.shape
+        assert not text_tp[:, length:].any()
+        text_tp = text_tp[:, :length]
+        # Exact, not only within 1/255: a padded row numbered as stock numbers it would move the image block.
+        assert np.abs(output - image).max() < 1e-4
     assert text_tp.shape == text.shape and np.abs(text_tp - text).max() < 1e-5, "prompt embeddings"
 
     # Control: the comparison above can fail. Another first input image moves the transformer's inputs by far more.

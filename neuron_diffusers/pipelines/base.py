@@ -206,6 +206,11 @@ class PipelineAdapter:
         """`embeds` padded to a length bucket (unchanged by default)."""
         return embeds
 
+    def pad_encoded(self, encoded, buckets: tuple[int, ...]):
+        """What the pipeline's own `encode_prompt` returned inside a call with image inputs (the text encoder reads
+        the images), padded like `pad` pads the text-only path's embeddings (unchanged by default)."""
+        return encoded
+
     def size_multiple(self, checkpoint: Checkpoint) -> int:
         """What height and width must be multiples of."""
         raise NotImplementedError
@@ -447,7 +452,7 @@ class StockPipelineAdapter(PipelineAdapter):
             mask_name = f"{name}_mask"
             mask = embeds.get(mask_name)
             if mask is None:
-                mask = torch.ones(value.shape[:2], dtype=torch.long)
+                mask = torch.ones(value.shape[:2], dtype=torch.long, device=value.device)
             length = value.shape[1]
             bucket = bucket_for(buckets, length, self.pipeline_class)
             padded[name] = F.pad(value, (0, 0, 0, bucket - length))

@@ -270,11 +270,12 @@ def _attribute(obj, name: str, value):
 
 @contextmanager
 def shared_image_inputs(pipe, *, vae, encoder, tp_group, pair_group, device: torch.device, decodes: bool,
-                        text_encode: bool, vae_splits: bool = False):
+                        text_encode: bool, vae_splits: bool = False, pad_encoded=None):
     """For one stock call with image inputs: `pipe.vae` shares one rank's encodings over the TP group (and the CFG
     pair, `pair_group`), or with `vae_splits` (parallel VAE on for this call) the TP group's joint encoding over the
     pair; with `text_encode`, `pipe.encode_prompt` shares the TP leader's CPU `encoder`'s result. `decodes`: this
-    rank calls `vae.decode` (the leader, and with parallel VAE every rank of the decoding group).
+    rank calls `vae.decode` (the leader, and with parallel VAE every rank of the decoding group). `pad_encoded`
+    (the adapter's, with the runner's buckets) pads what `encode_prompt` returns, as the text-only path pads.
 
     Both are instance attributes for the length of the block: `pipe.vae` is swapped as `cfg.py` swaps
     `pipe.transformer`, and `encode_prompt`, a public method the stock call reaches through `self`, is shadowed on
@@ -287,7 +288,8 @@ def shared_image_inputs(pipe, *, vae, encoder, tp_group, pair_group, device: tor
             text = Group(tp_group, None, device)
 
             def encode_prompt(*args, **kwargs):
-                return text.share(lambda: encoder.encode_prompt(*args, **{**kwargs, "device": torch.device("cpu")}))
+                encoded = text.share(lambda: encoder.encode_prompt(*args, **{**kwargs, "device": torch.device("cpu")}))
+                return encoded if pad_encoded is None else pad_encoded(encoded)
 
             stack.enter_context(_attribute(pipe, "encode_prompt", encode_prompt))
         yield

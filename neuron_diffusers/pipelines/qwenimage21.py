@@ -9,6 +9,8 @@ not truncate: a prompt of 1024 tokens or more is refused by the buckets (pass la
 the rotary table holds 8192 positions for text and image sides together).
 """
 
+import torch
+
 from .base import StockPipelineAdapter
 
 
@@ -52,6 +54,19 @@ class QwenImage21Adapter(StockPipelineAdapter):
         return 2 * self.rope_negative_positions * token, (
             f"its rotary table holds {self.rope_negative_positions} negative positions for the rows and columns "
             f"above and left of the image's centre ({token} pixels each); beyond them positions would wrap around")
+
+    def pad_encoded(self, encoded, buckets: tuple[int, ...]):
+        """`encode_prompt(image=...)`'s (embeds, mask, image_pad_mask), padded to a bucket: the vision tokens stay
+        where the processor put them (marked in `image_pad_mask`), padded rows are text rows masked out, numbered
+        as unpadded by `exact_text_padding`. Static shapes with image inputs too, and under plain Ulysses a length
+        that splits."""
+        embeds, mask, image_pad_mask = encoded
+        padded = self.pad({"prompt_embeds": embeds, **({} if mask is None else {"prompt_embeds_mask": mask})}, buckets)
+        extra = padded["prompt_embeds"].shape[1] - embeds.shape[1]
+        if extra == 0:
+            return encoded
+        image_pad_mask = torch.nn.functional.pad(image_pad_mask, (0, extra), value=False)
+        return padded["prompt_embeds"], padded["prompt_embeds_mask"], image_pad_mask
 
     def encode(self, encoder, prompt, negative_prompt):
         embeds = {}
