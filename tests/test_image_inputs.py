@@ -16,7 +16,7 @@ inputs far more (and, for the vision-language encoders, the prompt embeddings to
 import numpy as np
 import pytest
 import torch
-from image_jobs import CASES, COMPARED, NEGATIVE, PROMPT, case_inputs, first_call_inputs, image_tp_checks
+from image_jobs import CASES, COMPARED, NEGATIVE, PROMPT, case_inputs, first_call_inputs, image_tp_checks, input_image
 
 from neuron_diffusers import tiny
 from neuron_diffusers.pipelines.qwenimage21 import QwenImage21Adapter
@@ -134,3 +134,23 @@ def test_the_cfg_case_uses_true_cfg():
     """The CFG-pair case must really run true CFG (a negative prompt and a scale above 1), or it proves nothing."""
     case = CASES["edit_plus_cfg"]
     assert case["negative"] == NEGATIVE and case["call"]["true_cfg_scale"] > 1 and case["cfg"] == 2
+
+
+@pytest.mark.parametrize("buckets", [None, ()], ids=["default buckets", "no buckets (control)"])
+def test_qwenimage21_with_an_input_image_compiles_once_across_prompt_lengths(checkpoints, buckets):
+    """The in-call encoding is padded to the text buckets: after warm-up, prompts of 1 to 30 words reuse the graphs
+    (aot_eager, one process). The control without buckets compiles again for each length, so the check can fail."""
+    import neuron_diffusers as nd
+    from neuron_diffusers.compile import compile_repeated_blocks, compile_report
+
+    torch._dynamo.reset()  # the other case's graphs of the same block code would count against the recompile limit
+    pipe = nd.load_pipeline(checkpoints["qwenimage21"], **({} if buckets is None else {"buckets": buckets}))
+    compile_repeated_blocks(pipe, backend="aot_eager")
+    call = {"image": input_image(1), **CASES["qwenimage21"]["call"], "output_type": "np"}
+    pipe.generate(["warm up"], seed=0, **call)
+    before = compile_report()
+    for words in (1, 5, 12, 30):
+        pipe.generate([" ".join(["fox"] * words)], seed=0, **call)
+    after = compile_report()
+    new = after["graphs"] - before["graphs"], after["recompiles"] - before["recompiles"]
+    assert new == (0, 0) if buckets is None else min(new) > 0, new
