@@ -63,3 +63,13 @@ def test_load_pipeline_refuses_a_prebuilt_transformer_of_another_class_or_on_sev
         own = flux.from_config(flux.load_config(folder / "transformer"))
     with pytest.raises(ValueError, match="one-rank image group only"):
         load_pipeline(folder, mesh=two_ranks, transformer=own)
+
+
+def test_a_full_size_family_that_does_not_fit_is_skipped_with_the_figures():
+    """Free memory is checked before the build, on CPU too (the OOM killer would end the run with no line)."""
+    from neuron_diffusers.tools.bench.device_family import memory_problem
+
+    reason = memory_problem(7_100_000_000, 20 * 2**30, "cpu")
+    assert reason == ("needs ~29.2 GiB (7.1B bf16 parameters + 16 GiB for activations), 20.0 GiB free (cpu)")
+    assert memory_problem(7_100_000_000, 139 * 2**30, "cuda") is None
+    assert memory_problem(7_100_000_000, None, "cpu") is None  # unknown: tried, as before

@@ -37,6 +37,7 @@ from ...parallel import patches
 from ...runner import load_pipeline
 from .compile import PROMPTS
 from .device_folder import full_size_folder
+from .step import available_bytes
 
 #: Full size: the image side (MiniMax-H3 makes 124-frame videos, 32 latent frames: half the side, a quarter of the
 #: tokens per frame, ~8k tokens in all).
@@ -104,15 +105,22 @@ def random_transformer(cls, config: dict, device: torch.device) -> torch.nn.Modu
         torch.set_default_dtype(default)
 
 
-def _memory_problem(params: int, device: torch.device, tiny_run: bool) -> str | None:
-    """Why the transformer would not fit (None when it does): bf16 weights plus a margin against what is free."""
-    if device.type != "cuda" or tiny_run:
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
+def free_bytes(device: torch.device) -> int | None:
+    """Free memory where the transformer would be built: the device's on CUDA, MemAvailable on CPU (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_bytes()
+
+
+def memory_problem(params: int, free: int | None, where: str) -> str | None:
+    """Why the transformer would not fit (None when it does or `free` is unknown): bf16 weights plus a margin.
+
+    On CPU too: a full-size build on a host without the memory would be ended by the kernel's OOM killer, with no
+    line to say why, instead of this `skip`."""
     needed = params * 2 + ACTIVATION_MARGIN_GIB * 2**30
-    if needed > free:
+    if free is not None and needed > free:
         return (f"needs ~{needed / 2**30:.1f} GiB ({params / 1e9:.1f}B bf16 parameters + {ACTIVATION_MARGIN_GIB} GiB "
-                f"for activations), {free / 2**30:.1f} GiB free")
+                f"for activations), {free / 2**30:.1f} GiB free ({where})")
     return None
 
 
@@ -155,7 +163,7 @@ class _Run:
         config = cls.load_config(folder / "transformer")
         with torch.device("meta"):
             params = sum(p.numel() for p in cls.from_config(config).parameters())
-        problem = _memory_problem(params, self.device, self.tiny)
+        problem = None if self.tiny else memory_problem(params, free_bytes(self.device), self.device.type)
         if problem:
             self.emit("skip", reason=f"not enough device memory: {problem}")
             return

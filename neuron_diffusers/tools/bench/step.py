@@ -172,7 +172,7 @@ def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int,
             "params": sum(p.numel() for p in models["one process"].parameters())}
 
 
-def _available_bytes() -> int | None:
+def available_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (None where there is none: then everything is assumed to fit)."""
     try:
         with open("/proc/meminfo") as meminfo:
@@ -187,7 +187,7 @@ def _available_bytes() -> int | None:
 def one_process_after(params: int, tp_plans: int, element_size: int = 4, available: int | None = None) -> bool:
     """Whether the one-process model must wait for the TP copies to be freed: together they hold `tp_plans` + 1
     whole copies of the weights, kept under 80% of the memory available (the rest: activations, the spawn)."""
-    available = _available_bytes() if available is None else available
+    available = available_bytes() if available is None else available
     return available is not None and (tp_plans + 1) * params * element_size > 0.8 * available
 
 
