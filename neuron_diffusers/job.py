@@ -512,6 +512,7 @@ def check_mesh(checkpoint: Checkpoint, world_size: int, *, tp: int, ulysses: int
                          "outside `cache_context('cond' / 'uncond')`, so the two branches cannot be told apart. Drop "
                          "--cfg-parallel (true CFG then runs its two branches one after the other).")
     check_cfg_degree(cfg, tp, world_size)
+    check_cp_degrees(world_size, tp=tp, ulysses=ulysses, ring=ring, cfg=cfg)
     if mode is not None:
         heads = checkpoint.config("transformer").get("num_attention_heads")
         context.check_layout(checkpoint.family.display_name, heads, world_size, tp=tp, ulysses=ulysses, ring=ring,

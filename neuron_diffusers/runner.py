@@ -221,12 +221,12 @@ class TPPipeline:
             if name in pipeline_kwargs:
                 raise ValueError(f"`generate` does not take `{name}`: {why}.")
         self.adapter.check_call_kwargs(pipeline_kwargs)
-        if self.size_limits is not None and {"height", "width"} & pipeline_kwargs.keys():
-            # A side left out takes the pipeline's default; the smallest valid side stands in for it here.
-            smallest = self.size_limits.multiple
-            self.size_limits.check(pipeline_kwargs.get("height", smallest), pipeline_kwargs.get("width", smallest),
-                                   "`generate`")
         if self.size_limits is not None:
+            if {"height", "width"} & pipeline_kwargs.keys():
+                # A side left out takes the pipeline's default; the smallest valid side stands in for it here.
+                smallest = self.size_limits.multiple
+                self.size_limits.check(pipeline_kwargs.get("height", smallest),
+                                       pipeline_kwargs.get("width", smallest), "`generate`")
             self.size_limits.check_steps(pipeline_kwargs.get("num_inference_steps"), "`generate`")
         return list(prompts)
 

@@ -224,9 +224,9 @@ class PipelineAdapter:
         """The fewest steps the scheduler survives, and why. A flow-matching schedule stretched to end at
         `shift_terminal` (Qwen-Image's 0.02) divides by the distance of its last sigma from 1, which is 0 with one
         step: the latents would be NaN, found only after the whole call ran."""
-        file = checkpoint.path / "scheduler" / "scheduler_config.json"
-        if file.is_file() and checkpoint.config("scheduler", "scheduler_config.json").get("shift_terminal"):
-            terminal = checkpoint.config("scheduler", "scheduler_config.json")["shift_terminal"]
+        has_config = (checkpoint.path / "scheduler" / "scheduler_config.json").is_file()
+        terminal = checkpoint.config("scheduler", "scheduler_config.json").get("shift_terminal") if has_config else None
+        if terminal:
             return 2, (f"its sigmas are stretched to end at shift_terminal={terminal:g}, which one step turns into "
                        "0 / 0 (NaN latents)")
         return 1, ""

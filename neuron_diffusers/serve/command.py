@@ -165,7 +165,6 @@ def plan_server(args, world_size: int, device_type: str):
         print(f"neuron-diffusers serve: note: --cfg-parallel: {adapter.pipeline_class} is guidance-distilled (no true "
               "CFG), so the cfg ranks serve as more replicas instead.", file=sys.stderr)
         pairs = 1
-    check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs)
     mode = context_mode(checkpoint, args.ulysses, args.ring, args.cp_any_length, compiled=bool(args.compile))
     check_mesh(checkpoint, world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs, mode=mode)
     limits = adapter.size_limits(checkpoint)

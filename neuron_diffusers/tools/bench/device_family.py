@@ -37,7 +37,7 @@ from ...parallel import patches
 from ...runner import load_pipeline
 from .compile import PROMPTS
 from .device_folder import full_size_folder
-from .step import available_bytes
+from .rss import available_bytes
 
 #: Full size: the image side (MiniMax-H3 makes 124-frame videos, 32 latent frames: half the side, a quarter of the
 #: tokens per frame, ~8k tokens in all).

@@ -119,7 +119,7 @@ def _pair_panel(draw: ImageDraw.ImageDraw, x0: int, panel: dict) -> None:
             draw.text((bx + bar_w / 2, y(value) - 2), f"{value:.0f}" if value >= 100 else f"{value:.3g}", fill="black",
                       font=_font(10), anchor="mb")
         if draw.textlength(label, font=_font(12)) > group_w - 4 and "-" in label:  # "Qwen-Image-2.1": two lines
-            label = "-\n".join(label.rsplit("-", 1)) if label.count("-") == 1 else label.replace("-", "-\n", 1)
+            label = label.replace("-", "-\n", 1)
         draw.multiline_text((center, plot_bottom + 6), label, fill="black", font=_font(12), anchor="ma",
                             align="center")
     draw.line([(left, plot_bottom), (right, plot_bottom)], fill="black")

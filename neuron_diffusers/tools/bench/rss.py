@@ -82,6 +82,18 @@ def build_lora(checkpoint: Path, seed: int = 0) -> Path:
     return path
 
 
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none: then everything is assumed to fit)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def process_rss_mib() -> dict[str, float]:
     """This process's peak, current, anonymous and file-backed resident memory (Linux `/proc/self/status`)."""
     fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())

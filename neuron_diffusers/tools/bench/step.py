@@ -46,6 +46,7 @@ from ..plan.meta import meta_transformer
 from ..spawn import run_on_cpu_ranks
 from . import plot
 from .collectives import DEPTH_FIELDS, forward_call
+from .rss import available_bytes
 
 #: The image families (MiniMax-H3 makes video + audio: a 1024 x 1024 image step is not its shape).
 FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21")
@@ -146,20 +147,13 @@ def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int,
             models[label] = cls.from_pretrained(folder, subfolder="transformer",
                                                 parallel_config=TensorParallelConfig(mesh=mesh)).eval()
     alone = dist.get_rank() == 0
-
-    def one_process():
-        return cls.from_pretrained(folder, subfolder="transformer").eval() if alone else None
-
     seconds, outputs = {}, {}
     if one_process_after:  # the TP copies and a whole one do not fit together: the whole one runs after, alone
         _alternate(models, args, kwargs, repeats, seconds, outputs)
         models.clear()
         gc.collect()
-        models["one process"] = one_process()
-        _alternate(models, args, kwargs, repeats, seconds, outputs)
-    else:
-        models["one process"] = one_process()
-        _alternate(models, args, kwargs, repeats, seconds, outputs)
+    models["one process"] = cls.from_pretrained(folder, subfolder="transformer").eval() if alone else None
+    _alternate(models, args, kwargs, repeats, seconds, outputs)
     if not alone:
         return {}
     reference = outputs["one process"]
@@ -170,18 +164,6 @@ def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int,
              for label in plans}
     return {"seconds": seconds, "max_abs_diff": diffs,
             "params": sum(p.numel() for p in models["one process"].parameters())}
-
-
-def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none: then everything is assumed to fit)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def one_process_after(params: int, tp_plans: int, element_size: int = 4, available: int | None = None) -> bool:
