@@ -21,6 +21,7 @@ from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.distributed import mesh_order
 from neuron_diffusers.parallel import context
 from neuron_diffusers.parallel.context_qwenimage21 import block_causal_mask, chunk
+from neuron_diffusers.parallel.layouts import layout_problem, valid_layouts
 from neuron_diffusers.runner import check_context_parallel_call
 from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
@@ -322,21 +323,17 @@ def test_cfg2_x_ulysses2_true_cfg_gives_the_stock_image(runner_report, checkpoin
 
 
 def test_layout_checks_name_what_works():
-    assert context.layout_problem(24, 64, 8, 4, 2) == ("ulysses=4 does not divide the 3 heads each tensor-parallel "
-                                                       "rank keeps (24 heads / tp=8)")
-    assert context.layout_problem(56, 64, 2, 4, 8) is None  # MiniMax-H3: tp2 x ulysses4 x ring8 fills 64 cores
-    assert context.layout_problem(56, 64, 4, 4, 4) is not None  # 14 local heads do not split 4 ways
-    assert context.layout_problem(30, 8, 1, 8, 1, ulysses_anything=True) is None  # diffusers' own example
-    assert context.layout_problem(30, 16, 1, 16, 1, ulysses_anything=True) is not None
-    assert context.Layout(1, 1, 2, 1, 2) in context.valid_layouts(4, 4)
-    assert context.Layout(2, 2, 2, 1, 1) in context.valid_layouts(4, 8, cfg=(1, 2))
     with pytest.raises(ValueError, match=r"does not divide the 6 heads .* work .*tp=4 x ulysses=2 x ring=2"):
         context.check_layout("M", 24, 16, tp=4, ulysses=4, ring=1)
+    with pytest.raises(ValueError, match=r"tp x ulysses x ring = 2 x 2 x 1 = 4 does not divide the world size 6"):
+        context.check_layout("M", 24, 6, tp=2, ulysses=2, ring=1)
 
 
 def test_every_family_fills_64_ranks_with_one_image():
     for count in (24, 32, 48, 56):  # FLUX.1 / Qwen-Image, Qwen-Image-2.1, FLUX.2, MiniMax-H3
-        assert any(layout.group == 64 for layout in context.valid_layouts(count, 64)), count
+        layouts = valid_layouts(count, 64, cfg_degrees=(1,))
+        assert any(layout.ring * layout.ulysses * layout.tp == 64 for layout in layouts), count
+    assert layout_problem(56, 64, tp=2, ulysses=4, ring=8) is None  # MiniMax-H3: tp2 x ulysses4 x ring8
 
 
 def test_mesh_order_keeps_ring_before_ulysses():

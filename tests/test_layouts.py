@@ -35,7 +35,7 @@ def test_layout_rules():
     # Ulysses splits the heads a TP rank keeps: 56 heads pass at tp2 x ulysses4, not at tp4 x ulysses4.
     assert layout_problem(56, 8, tp=2, ulysses=4) is None
     assert "14 heads each tensor-parallel rank keeps" in layout_problem(56, 16, tp=4, ulysses=4)
-    assert "does not divide the 48 ranks" in layout_problem(24, 48, tp=8, ring=4, cfg=2)
+    assert "= 2 x 8 x 1 x 4 = 64 does not divide the world size 48" in layout_problem(24, 48, tp=8, ring=4, cfg=2)
     assert "cfg is 1 or 2" in layout_problem(24, 12, cfg=3)
     # ulysses_anything pads heads only below diffusers' limit (its own examples: 30 heads over 8 yes, over 16 no).
     assert layout_problem(30, 8, ulysses=8, ulysses_anything=True) is None

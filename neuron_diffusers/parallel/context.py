@@ -26,61 +26,8 @@ from typing import NamedTuple
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
-from ..distributed import build_mesh, divisors
-
-
-class Layout(NamedTuple):
-    """One way to tile a world of ranks: dp replicas of cfg pairs of image groups of tp x ring x ulysses ranks."""
-
-    dp: int
-    cfg: int
-    tp: int
-    ring: int
-    ulysses: int
-
-    @property
-    def group(self) -> int:
-        """Ranks that make one image together."""
-        return self.tp * self.ring * self.ulysses
-
-    def describe(self) -> str:
-        return f"dp={self.dp} x cfg={self.cfg} x tp={self.tp} x ring={self.ring} x ulysses={self.ulysses}"
-
-
-def layout_problem(num_heads: int | None, world_size: int, tp: int, ulysses: int, ring: int, cfg: int = 1,
-                   ulysses_anything: bool = False) -> str | None:
-    """Why (tp, ulysses, ring) cannot run a model with `num_heads` heads on `world_size` ranks, or None."""
-    group = cfg * tp * ulysses * ring
-    if world_size % group:
-        what = f"cfg x tp x ulysses x ring = {cfg} x " if cfg > 1 else "tp x ulysses x ring = "
-        return f"{what}{tp} x {ulysses} x {ring} = {group} does not divide the world size {world_size}"
-    if num_heads is None:
-        return None
-    if num_heads % tp:
-        return f"tp={tp} does not divide the {num_heads} attention heads"
-    local = num_heads // tp
-    if not ulysses_anything and local % ulysses:
-        return (f"ulysses={ulysses} does not divide the {local} heads each tensor-parallel rank keeps "
-                f"({num_heads} heads / tp={tp})")
-    pad = -local % ulysses
-    if ulysses_anything and pad and pad >= (local + pad) // ulysses:
-        return (f"ulysses_anything pads {local} local heads to {local + pad}, more padding than the "
-                f"{(local + pad) // ulysses} heads each Ulysses rank gets, which diffusers refuses")
-    return None
-
-
-def valid_layouts(num_heads: int | None, world_size: int, *, cfg: tuple[int, ...] = (1,),
-                  ulysses_anything: bool = False) -> list[Layout]:
-    """Every layout of `world_size` ranks a model with `num_heads` heads can run (`cfg=(1, 2)` adds CFG pairs):
-    cfg x tp x ulysses x ring divides the world, and tp x ulysses divides the heads. Sorted by dp, then
-    cfg, tp, ring, ulysses."""
-    sizes = divisors(world_size)
-    layouts = [
-        Layout(world_size // (c * t * u * r), c, t, r, u)
-        for c in cfg for t in sizes for r in sizes for u in sizes
-        if layout_problem(num_heads, world_size, t, u, r, c, ulysses_anything) is None
-    ]
-    return sorted(layouts)
+from ..distributed import build_mesh
+from .layouts import Layout, layout_problem, valid_layouts
 
 
 def describe_layouts(layouts: list[Layout], limit: int = 12) -> str:
@@ -91,9 +38,9 @@ def describe_layouts(layouts: list[Layout], limit: int = 12) -> str:
 def check_layout(model_name: str, num_heads: int | None, world_size: int, *, tp: int, ulysses: int, ring: int,
                  cfg: int = 1, ulysses_anything: bool = False) -> None:
     """Reject a TP x CP layout the model or the world cannot take, naming the context-parallel layouts that work."""
-    problem = layout_problem(num_heads, world_size, tp, ulysses, ring, cfg, ulysses_anything)
+    problem = layout_problem(num_heads, world_size, tp, ulysses, ring, ulysses_anything, cfg=cfg)
     if problem is not None:
-        working = [lay for lay in valid_layouts(num_heads, world_size, cfg=(cfg,)) if lay.ring * lay.ulysses > 1]
+        working = [lay for lay in valid_layouts(num_heads, world_size, cfg_degrees=(cfg,)) if lay.context > 1]
         raise ValueError(
             f"Cannot run {model_name} with tensor parallelism tp={tp} and context parallelism ulysses={ulysses} x "
             f"ring={ring} on {world_size} ranks: {problem}. Context-parallel layouts that work for {num_heads} heads "

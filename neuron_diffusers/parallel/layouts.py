@@ -50,8 +50,8 @@ def layout_problem(num_heads: int | None, world_size: int, tp: int = 1, ulysses:
         return f"cfg={cfg}: a CFG pair splits the two guidance branches, so cfg is 1 or 2"
     group = cfg * tp * ulysses * ring
     if world_size % group:
-        return (f"cfg x tp x ulysses x ring = {cfg} x {tp} x {ulysses} x {ring} = {group} does not divide the "
-                f"{world_size} ranks")
+        what = f"cfg x tp x ulysses x ring = {cfg} x " if cfg > 1 else "tp x ulysses x ring = "
+        return f"{what}{tp} x {ulysses} x {ring} = {group} does not divide the world size {world_size}"
     if num_heads is None:
         return None
     if num_heads % tp:
