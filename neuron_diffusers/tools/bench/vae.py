@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from diffusers import AutoencoderKL, AutoencoderKLMiniMaxH3
 from ...parallel.vae import enable_parallel_vae
 from ..spawn import run_on_cpu_ranks
 from . import plot
+from .rss import process_rss_mib
 
 FLUX1_CHANNELS = (128, 256, 512, 512)
 H3_CHANNELS = (128, 256, 256, 512, 512, 1024)
@@ -71,18 +71,14 @@ def h3_latent_frames(frames: int, vae: AutoencoderKLMiniMaxH3) -> int:
     return math.ceil(frames / clip) * math.ceil(clip / ratio) - vae.config.token_drop
 
 
-def _kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
-
-
 def _measured(decode) -> dict:
     """Peak MiB above the start, wall seconds and CPU seconds of this process, of `decode()`."""
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
-    before = _kib("VmRSS")
+    before = process_rss_mib()["now"]
     start, cpu_start = time.perf_counter(), time.process_time()
     decode()
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    return {"peak_mib": (_kib("VmHWM") - before) / 1024, "s": seconds, "cpu_s": cpu_seconds}
+    return {"peak_mib": process_rss_mib()["peak"] - before, "s": seconds, "cpu_s": cpu_seconds}
 
 
 def _cases(sizes, h3_frames: int, divisor: int):
