@@ -358,10 +358,11 @@ def test_server_under_torchrun_tp2(job_image):
             assert all(r.json()["error"]["message"] for r in refused)
             assert client.post(url, json={"prompt": "a fox", "seed": 1}).status_code == 200
 
-        async_answers = _concurrent(url, [{"prompt": f"fox {i}", "seed": i} for i in range(6)])
-        assert [r.status_code for r in async_answers] == [200] * 6
+        # As many at once as the queue holds (5): all fit even if none has left the queue for the replica yet.
+        async_answers = _concurrent(url, [{"prompt": f"fox {i}", "seed": i} for i in range(5)])
+        assert [r.status_code for r in async_answers] == [200] * 5
         seeds = [r.json()["data"][0]["seed"] for r in async_answers]
-        assert seeds == list(range(6))
+        assert seeds == list(range(5))
 
         # A slow request keeps the replica busy while a burst fills the queue (5): the rest are answered 429.
         burst = _concurrent(url, [{"prompt": "slow fox", "num_inference_steps": 40}]
