@@ -12,11 +12,14 @@ The random weights are saved once into a temporary checkpoint, so every rank loa
 our plans and diffusers' own stream each rank's slice (`from_pretrained(parallel_config=...)`), and "one process" is
 the whole model on rank 0 alone while the other ranks wait (one copy: FLUX.2's is about 9 GiB of float32). Each rank
 runs one thread (as `torchrun` sets it), so one process gets one core, as each TP rank does. After one warm-up
-forward of each, the variants run in alternation, `--repeats` times, and the median is reported: load from other
-processes hits all of them alike. Where the TP copies and a whole one would not fit in memory together (FLUX.2's
-9 GiB copies on a 24 GiB host), the whole one is loaded after the TP copies are freed and timed alone, marked
-"(after)" in the table and `one_process_after` in the JSON. Output of each TP variant is compared with the
-one-process output (max abs difference). What it prints is measured.
+forward of each, the variants run in alternation, `--repeats` times (every other round in reverse order), and the
+median is reported: load from other processes hits all of them alike. Ours / stock is the median of each round's
+ratio, with its range: a round's two forwards run back to back, so the ratio cancels the machine's drift between
+rounds (measured here: whole rounds 10% slower than others). Where the TP copies and a whole one would not fit in
+memory together (FLUX.2's 9 GiB copies on a 24 GiB host), the whole one is loaded after the TP copies are freed and
+timed alone, marked "(after)" in the table and `one_process_after` in the JSON. Output of each TP variant is
+compared with the one-process output (max abs difference). `--control` adds stock's plan loaded a second time: the
+same work twice, so its ratio to stock is the machine's noise, in the same run as ours. What it prints is measured.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from .rss import available_bytes
 
 #: The image families (MiniMax-H3 makes video + audio: a 1024 x 1024 image step is not its shape).
 FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21")
+#: The label of `--control`: stock's plan loaded a second time, an A/A comparison.
+CONTROL = "stock again"
 #: Pixels per image token along each side in all four families: the VAE's 8 x 8, then 2 x 2 patches.
 PIXELS_PER_TOKEN = 16
 #: Forward inputs whose last dimension is a width of the model, and the config fields that set it (first present).
@@ -118,14 +123,15 @@ def capture_call(family: str, tokens: int, text: int) -> tuple[tuple, dict]:
 
 
 def _alternate(models: dict, args: tuple, kwargs: dict, repeats: int, seconds: dict, outputs: dict) -> None:
-    """One warm-up forward of each model (lazy buffers, allocator), then `repeats` rounds of one forward each."""
+    """One warm-up forward of each model (lazy buffers, allocator), then `repeats` rounds of one forward each, every
+    other round in reverse order (A B, B A, ...): no variant always runs right after the same one, or first."""
     with torch.no_grad():
         for label, model in models.items():
             dist.barrier()
             if model is not None:
                 outputs[label] = predictions(forward_call(model, args, kwargs))
-        for _ in range(repeats):
-            for label, model in models.items():
+        for round_ in range(repeats):
+            for label, model in list(models.items())[::-1 if round_ % 2 else 1]:
                 dist.barrier()  # every rank starts each forward together (the others wait out one process's)
                 if model is not None:
                     start = time.perf_counter()
@@ -134,13 +140,16 @@ def _alternate(models: dict, args: tuple, kwargs: dict, repeats: int, seconds: d
         dist.barrier()
 
 
-def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int, one_process_after: bool) -> dict:
+def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int, one_process_after: bool,
+              control: bool) -> dict:
     torch.set_num_threads(1)  # as torchrun does: the ranks share the host's cores
     tp = dist.get_world_size()
     mesh = init_distributed(tp=tp)["tp"]
     record = families.get(family)
     cls = record.model_class()
     plans = {**record.plan_variants, "stock": stock_plan(cls)}
+    if control:  # stock's plan loaded twice: its ratio to stock is this machine's noise, measured in the same run
+        plans[CONTROL] = plans["stock"]
     models = {}
     for label, plan in plans.items():
         with using_plan(cls, plan):
@@ -174,7 +183,7 @@ def one_process_after(params: int, tp_plans: int, element_size: int = 4, availab
 
 
 def measure_family(family: str, *, tp: int = 2, blocks: int = 1, tokens: int = 4096, text: int = 512,
-                   repeats: int = 3, width: str = "full", one_process: str = "auto") -> dict:
+                   repeats: int = 3, width: str = "full", one_process: str = "auto", control: bool = False) -> dict:
     """One family's figures: seconds per forward of each plan and of one process (all samples and the median), the
     ideal (one process / tp), and the ratios."""
     if tp < 2:
@@ -191,18 +200,23 @@ def measure_family(family: str, *, tp: int = 2, blocks: int = 1, tokens: int = 4
         model.save_pretrained(Path(folder) / "transformer")
         del model
         after = (one_process == "after" if one_process != "auto"
-                 else one_process_after(params, len(record.plan_variants) + 1))
-        rank0 = run_on_cpu_ranks(_rank_job, tp, family, folder, args, kwargs, repeats, after,
+                 else one_process_after(params, len(record.plan_variants) + 1 + control))
+        rank0 = run_on_cpu_ranks(_rank_job, tp, family, folder, args, kwargs, repeats, after, control,
                                  timeout_s=7200.0)[0]
-    median = {label: statistics.median(values) for label, values in rank0["seconds"].items()}
+    seconds = rank0["seconds"]
+    median = {label: statistics.median(values) for label, values in seconds.items()}
     ideal = median["one process"] / tp
+    # Each round's TP forwards ran back to back, so its ratio cancels the machine's drift between rounds.
+    rounds = {label: [ours / stock for ours, stock in zip(seconds[label], seconds["stock"], strict=True)]
+              for label in rank0["max_abs_diff"]}
     return {
         "family": family, "name": families.get(family).display_name, "width": width, "tp": tp,
         "blocks": {field: blocks for field in DEPTH_FIELDS if field in config}, "params": rank0["params"],
         "image_tokens": kwargs["hidden_states"].shape[1], "text_tokens": kwargs["encoder_hidden_states"].shape[1],
-        "repeats": repeats, "one_process_after": after, "seconds": rank0["seconds"], "median_s": median,
+        "repeats": repeats, "one_process_after": after, "seconds": seconds, "median_s": median,
         "ideal_s": ideal,
-        "vs_stock": {label: median[label] / median["stock"] for label in rank0["max_abs_diff"]},
+        "vs_stock": {label: statistics.median(ratios) for label, ratios in rounds.items()},
+        "vs_stock_rounds": rounds,
         "vs_ideal": {label: median[label] / ideal for label in median},
         "max_abs_diff": rank0["max_abs_diff"],
     }
@@ -213,20 +227,23 @@ def markdown(results: list[dict]) -> str:
     first = results[0]
     lines = [
         f"One transformer forward at TP={first['tp']}, {first['image_tokens']} image + {first['text_tokens']} text "
-        f"tokens, {first['width']} width, one thread per rank: median of {first['repeats']} forwards, the variants "
-        "in alternation; ideal = one process / N.", "",
-        "| model | blocks | one process (s) | ideal (s) | stock TP (s) | ours (s) | ours / stock | ours / ideal |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        f"tokens, {first['width']} width, one thread per rank: median of each row's rounds of forwards, the "
+        "variants in alternation (every other round reversed); ours / stock: median of the rounds' ratios "
+        "[min - max]; ideal = one process / N.", "",
+        "| model | blocks | rounds | one process (s) | ideal (s) | stock TP (s) | ours (s) | ours / stock "
+        "| ours / ideal |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:
         median, ratio = result["median_s"], result["vs_ideal"]
         blocks = ", ".join(f"{field.removeprefix('num_')}={n}" for field, n in result["blocks"].items())
         ours = [label for label in result["vs_stock"] if label != "stock"]
         lines.append(
-            f"| {result['name']} | {blocks} | {median['one process']:.3f}"
+            f"| {result['name']} | {blocks} | {result['repeats']} | {median['one process']:.3f}"
             f"{' (after)' if result.get('one_process_after') else ''} | {result['ideal_s']:.3f} | "
             f"{median['stock']:.3f} | " + "<br>".join(f"{median[label]:.3f} ({label})" for label in ours) + " | "
-            + "<br>".join(f"{result['vs_stock'][label]:.2f}x" for label in ours) + " | "
+            + "<br>".join(f"{result['vs_stock'][label]:.2f}x [{min(result['vs_stock_rounds'][label]):.2f} - "
+                          f"{max(result['vs_stock_rounds'][label]):.2f}]" for label in ours) + " | "
             + "<br>".join(f"{ratio[label]:.2f}x" for label in ours) + " |")
     return "\n".join(lines) + "\n"
 
@@ -269,11 +286,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--one-process", choices=("auto", "alternate", "after"), default="auto",
                         help="time the one-process model in alternation with the TP ones, or after them once they are "
                              "freed (auto: after only where they would not fit in memory together)")
+    parser.add_argument("--control", action="store_true",
+                        help=f"also time stock's plan loaded a second time ('{CONTROL}'): its ratio to stock is the "
+                             "noise of this machine, beside ours")
     parser.add_argument("--out", type=Path, default=None, help="folder for step.json / .md / .png")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
 
 
 def main(args: argparse.Namespace) -> None:
     results = run(args.family or list(FAMILIES), args.out, tp=args.tp, blocks=args.blocks, tokens=args.tokens,
-                  text=args.text, repeats=args.repeats, width=args.width, one_process=args.one_process)
+                  text=args.text, repeats=args.repeats, width=args.width, one_process=args.one_process,
+                  control=args.control)
     print(json.dumps(results, indent=2) if args.json else markdown(results), end="")
