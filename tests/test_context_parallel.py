@@ -21,7 +21,7 @@ from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.distributed import mesh_order
 from neuron_diffusers.parallel import context
 from neuron_diffusers.parallel.context_qwenimage21 import block_causal_mask, chunk
-from neuron_diffusers.parallel.layouts import layout_problem, valid_layouts
+from neuron_diffusers.parallel.layouts import Layout, layout_problem, valid_layouts
 from neuron_diffusers.runner import check_context_parallel_call
 from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
@@ -323,6 +323,13 @@ def test_cfg2_x_ulysses2_true_cfg_gives_the_stock_image(runner_report, checkpoin
 
 
 def test_layout_checks_name_what_works():
+    assert layout_problem(24, 64, tp=8, ulysses=4, ring=2) == ("ulysses=4 does not divide the 3 heads each "
+                                                               "tensor-parallel rank keeps (24 heads / tp=8)")
+    assert layout_problem(56, 64, tp=4, ulysses=4, ring=4) is not None  # 14 local heads do not split 4 ways
+    assert layout_problem(30, 8, ulysses=8, ulysses_anything=True) is None  # diffusers' own example
+    assert layout_problem(30, 16, ulysses=16, ulysses_anything=True) is not None
+    assert Layout(dp=1, tp=2, ulysses=2) in valid_layouts(4, 4, cfg_degrees=(1,))
+    assert Layout(dp=2, cfg=2, tp=2) in valid_layouts(4, 8, cfg_degrees=(1, 2))
     with pytest.raises(ValueError, match=r"does not divide the 6 heads .* work .*tp=4 x ulysses=2 x ring=2"):
         context.check_layout("M", 24, 16, tp=4, ulysses=4, ring=1)
     with pytest.raises(ValueError, match=r"tp x ulysses x ring = 2 x 2 x 1 = 4 does not divide the world size 6"):
