@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from neuron_diffusers.checkpoint import resolve
+from neuron_diffusers.pipelines import bucket_for
 
 
 def latents_from(pipe, embeds):
@@ -92,11 +93,19 @@ def test_qwen_image21_buckets_equal_unpadded_on_every_layout(tiny_checkpoint):
     assert max(long_prompt) >= 256, "the long prompt pads into a larger bucket"
 
 
-def test_pad_rejects_a_prompt_longer_than_every_bucket(qwen_runs):
+def test_pad_rounds_a_prompt_longer_than_every_bucket_up_to_a_static_length(qwen_runs):
+    """Stock runs a prompt of any length the model can position: past the largest bucket the length is rounded up
+    to a multiple of a quarter of it (a few static shapes), never refused."""
     adapter, embeds, *_ = qwen_runs["qwenimage"]
-    with pytest.raises(ValueError,
-                       match="needs a length bucket above .* the largest of QwenImagePipeline is 4.*Shorten"):
-        adapter.pad(embeds, (2, 4))
+    length = embeds["prompt_embeds"].shape[1]
+    buckets = (2, 4)
+    assert length >= buckets[-1], "the case must overflow the buckets"
+    padded = adapter.pad(embeds, buckets)
+    assert padded["prompt_embeds"].shape[1] == length + 1  # step 4 // 4 = 1: the next length, one masked row
+    assert torch.equal(padded["prompt_embeds"][:, :length], embeds["prompt_embeds"])
+    assert not padded["prompt_embeds_mask"][:, length:].any()
+    assert bucket_for((64, 128), 130, "P") == 160 and bucket_for((64, 128), 128, "P") == 160
+    assert bucket_for((64, 128), 127, "P") == 128  # inside the buckets: unchanged
 
 
 def test_every_family_has_an_adapter_and_unknown_pipelines_are_named(tiny_checkpoint, tmp_path):

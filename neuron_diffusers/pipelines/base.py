@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import math
 import sys
 from collections.abc import Callable
@@ -26,7 +27,10 @@ import diffusers
 import torch
 import torch.nn.functional as F
 
+from ..distributed import is_main_process
 from ..media import read_png_text, save_png
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the checkpoint module looks adapters up through `families`, which imports this one
     from ..checkpoint import Checkpoint
@@ -500,11 +504,25 @@ def required_components(cls: type) -> list[str]:
 
 
 def bucket_for(buckets: tuple[int, ...], length: int, owner: str) -> int:
-    """The smallest bucket longer than `length`, so at least one padded position is always masked out."""
+    """The smallest bucket longer than `length`, so at least one padded position is always masked out.
+
+    Past the largest bucket, the next multiple of a quarter of it: whatever stock accepts must run (an input image's
+    vision tokens count against Qwen-Image-2.1's text buckets), while the lengths still fall on a few static shapes.
+    Each such length is a shape no warm-up saw, so a compiled pipeline compiles one more graph for it (logged once).
+    """
     for bucket in buckets:
         if length < bucket:
             return bucket
-    raise ValueError(
-        f"A prompt encodes to {length} tokens, which needs a length bucket above {length}; the largest of {owner} is "
-        f"{buckets[-1]}. Shorten the prompt, or pass larger `buckets` to `load_pipeline`."
-    )
+    step = max(1, buckets[-1] // 4)
+    bucket = (length // step + 1) * step
+    if (owner, bucket) not in _OVERFLOW_LOGGED:
+        _OVERFLOW_LOGGED.add((owner, bucket))
+        log = logger.warning if is_main_process() else logger.debug  # rank 0 speaks for the group
+        log("%s: an encoding of %d tokens is longer than the largest length bucket (%d); it is padded to "
+                       "%d, a static length of its own (a compiled pipeline compiles a graph for it once). Pass larger "
+                       "`buckets` to `load_pipeline` to warm it up.", owner, length, buckets[-1], bucket)
+    return bucket
+
+
+#: (pipeline class, overflow length) pairs already logged: one line per new shape, not one per prompt.
+_OVERFLOW_LOGGED: set[tuple[str, int]] = set()

@@ -5,8 +5,9 @@ bucket shares one compiled graph, and the image is the unpadded one (tested, KV 
 under context parallelism). Stock masks the padded rows out as keys but numbers RoPE positions along the joint
 sequence with them, so the image block would start after the padding; `patches.exact_text_padding`, installed on
 each rank's transformer (`load_denoiser`), numbers the sequence without the padded rows instead. The encoder does
-not truncate: a prompt of 1024 tokens or more is refused by the buckets (pass larger `buckets=` to `load_pipeline`,
-the rotary table holds 8192 positions for text and image sides together).
+not truncate: an encoding of 1024 tokens or more (a long prompt, or an input image's vision tokens) pads past the
+largest bucket to a multiple of 256 (`bucket_for`), a static length of its own; padded rows take no position, and the
+rotary table holds 8192 positions for text and image sides together. Pass larger `buckets=` to warm those up.
 """
 
 import torch
