@@ -20,7 +20,7 @@ Everything is installed per instance: hooks (the hoisting one named `HOIST_HOOK`
 two attributes (`_nd_tp_mesh` on coalesced blocks, `_nd_hoist` on hoisted Linears), and a swap of the instance's
 class to a subclass whose `forward` is ours (one subclass per class, with the same name, so diffusers finds the
 repeated blocks and `compile_repeated_blocks` compiles one graph for all of them: an instance-bound `forward`
-would cost one graph per block). The transactional `enable_parallelism` (`patches.py`) restores classes,
+would cost one graph per block). The transactional `enable_parallelism` (`compat/enable.py`) restores classes,
 attributes and hooks on failure.
 """
 
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
 from torch.distributed import _functional_collectives as funcol
 
+from ..compat.privates import Flux2Modulation
 from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
 from .rules import expand_rule
 

@@ -26,6 +26,7 @@ import diffusers
 import torch
 import torch.nn.functional as F
 
+from ..compat import privates
 from ..media import read_png_text, save_png
 
 if TYPE_CHECKING:  # the checkpoint module looks adapters up through `families`, which imports this one
@@ -382,9 +383,7 @@ class StockPipelineAdapter(PipelineAdapter):
         config = self.dynamic_shift_config(checkpoint)
         if config is None:
             return None
-        from ..parallel import patches  # here: patches imports `families`, which imports this module
-
-        calculate_shift = patches.internal(self.own_module(), "calculate_shift")
+        calculate_shift = privates.internal(self.own_module(), "calculate_shift")
         names = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
         return lambda tokens: calculate_shift(tokens, *(config[name] for name in names))
 

@@ -3,8 +3,9 @@
 Bucketed exactly, like Qwen-Image: the embeddings are right-padded (mask 0) to a length bucket, so every prompt of a
 bucket shares one compiled graph, and the image is the unpadded one (tested, KV cache on and off, CFG-parallel and
 under context parallelism). Stock masks the padded rows out as keys but numbers RoPE positions along the joint
-sequence with them, so the image block would start after the padding; `patches.exact_text_padding`, installed on
-each rank's transformer (`load_denoiser`), numbers the sequence without the padded rows instead. The encoder does
+sequence with them, so the image block would start after the padding; `exact_text_padding`
+(`qwenimage21_padding.py`), installed on each rank's transformer (`load_denoiser`), numbers the sequence without the
+padded rows instead. The encoder does
 not truncate: a prompt of 1024 tokens or more is refused by the buckets (pass larger `buckets=` to `load_pipeline`,
 the rotary table holds 8192 positions for text and image sides together).
 """
@@ -12,6 +13,7 @@ the rotary table holds 8192 positions for text and image sides together).
 import torch
 
 from .base import StockPipelineAdapter
+from .qwenimage21_padding import exact_text_padding
 
 
 class QwenImage21Adapter(StockPipelineAdapter):
@@ -37,10 +39,8 @@ class QwenImage21Adapter(StockPipelineAdapter):
 
     def load_denoiser(self, checkpoint, transformer, torch_dtype, device, decodes: bool, helps_decode: bool = False):
         """The stock denoiser, its transformer numbering RoPE positions as if the text were not padded."""
-        from ..parallel import patches  # here: patches imports `families`, which imports this module
-
         pipe = super().load_denoiser(checkpoint, transformer, torch_dtype, device, decodes, helps_decode)
-        patches.exact_text_padding(pipe.transformer)
+        exact_text_padding(pipe.transformer)
         return pipe
 
     def vae_scale_factor(self, vae_config: dict) -> int:
