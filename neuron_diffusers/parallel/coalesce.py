@@ -38,6 +38,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from torch.distributed import _functional_collectives as funcol
 
 from ..compat.privates import Flux2Modulation
+from ..compat.version import pinned_diffusers
 from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
 from .rules import expand_rule
 
@@ -385,7 +386,7 @@ def check_plan(model: torch.nn.Module, plan: dict, *, whole_plan: bool = True) -
             raise ValueError(
                 f"This diffusers' {block_cls.__name__}.forward differs from the diffusers 0.42.1 one that "
                 f"neuron_diffusers' coalesced forward mirrors, so reducing {sorted(paths)} together could compute "
-                f"something else. Install diffusers==0.42.1, or use 'rowwise' for these Linears."
+                f"something else. Install diffusers{pinned_diffusers()}, or use 'rowwise' for these Linears."
             )
 
 
