@@ -203,3 +203,30 @@ def test_the_old_patches_module_still_resolves_with_a_deprecation_warning():
     with warnings.catch_warnings(), pytest.raises(AttributeError):
         warnings.simplefilter("error")
         patches.no_such_name  # noqa: B018
+
+
+def test_compat_names_no_family():
+    """`compat` imports none of `families`, `pipelines`, `tiny`: the plans are pushed in (`plans.register`)."""
+    import ast
+    import pathlib
+
+    import neuron_diffusers.compat
+
+    folder = pathlib.Path(neuron_diffusers.compat.__file__).parent
+    imported = {(path.name, node.module or "") for path in folder.glob("*.py")
+                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom) and node.level}
+    assert [(name, module) for name, module in imported
+            if module.split(".")[0] in ("families", "pipelines", "tiny")] == []
+
+
+def test_an_unpinned_diffusers_is_refused_before_any_private_is_imported():
+    import subprocess
+    import sys
+
+    code = ("import sys, diffusers; diffusers.__version__ = '0.43.0'\n"
+            "try:\n    import neuron_diffusers\nexcept ImportError as error:\n    print(error)\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('diffusers.hooks', 'diffusers.models._'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    refusal, private_modules = result.stdout.strip().splitlines()
+    assert "needs diffusers~=0.42.1 (found 0.43.0)" in refusal
+    assert private_modules == "[]"
