@@ -5,9 +5,8 @@ bucket shares one compiled graph, and the image is the unpadded one (tested, KV 
 under context parallelism). Stock masks the padded rows out as keys but numbers RoPE positions along the joint
 sequence with them, so the image block would start after the padding; `exact_text_padding`
 (`qwenimage21_padding.py`), installed on each rank's transformer (`load_denoiser`), numbers the sequence without the
-padded rows instead. The encoder does
-not truncate: a prompt of 1024 tokens or more is refused by the buckets (pass larger `buckets=` to `load_pipeline`,
-the rotary table holds 8192 positions for text and image sides together).
+padded rows instead. The encoder does not truncate: a prompt of 1024 tokens or more is refused by the buckets (pass
+larger `buckets=` to `load_pipeline`, the rotary table holds 8192 positions for text and image sides together).
 """
 
 import torch
