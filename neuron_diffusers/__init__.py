@@ -1,17 +1,20 @@
 """Stock Hugging Face Diffusers pipelines, parallel across accelerator cores: Trainium (TorchNeuron), CUDA, CPU.
 
 Importing the package extends diffusers' own `TensorParallelConfig` path (CPU meshes, checks before any weight is
-read, all-or-nothing setup, our plans as the classes' defaults; see `parallel/patches.py`). It touches no device
+read, all-or-nothing setup, our plans as the classes' defaults; see `compat/`). It touches no device
 and starts no process group. The short path: `init_distributed` -> `load_pipeline` -> `compile_repeated_blocks`
 -> `warmup` -> `pipe.generate`.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import compat, families  # noqa: F401  -- compat first: refuses an unpinned diffusers before any private
+from .compat import install as _install
+from .compat import plans as _plans
+from .compat.plans import stock_plan, using_plan  # noqa: E402
 from .compile import compile_repeated_blocks, compile_report, warmup  # noqa: E402
 from .distributed import init_distributed, is_main_process, is_replica_leader, is_tp_leader, rank  # noqa: E402
-from .parallel import patches  # first: refuses an unpinned diffusers before anything else imports its privates
-from .parallel.patches import stock_plan, using_plan  # noqa: E402
+from .parallel import context_qwenimage21  # noqa: E402
 from .runner import load_pipeline  # noqa: E402
 
 try:
@@ -19,7 +22,20 @@ try:
 except PackageNotFoundError:  # running from a source tree that was not pip-installed
     __version__ = "0.0.0+unknown"
 
-patches.install()
+#: The families whose attention stock context parallelism cannot split as is: their hooks (`compat.plans`).
+_CP_QUIRKS = {"qwenimage21": context_qwenimage21}
+
+
+def _register_families() -> None:
+    """Push every family's plans into `compat` (which names no family): our TP plan as the class default, stock's
+    kept for `stock_plan`; our CP plan where diffusers ships none."""
+    for family in families.FAMILIES:
+        _plans.register(family.model_class(), family.plan, cp_plan=family.cp_plan,
+                        cp_quirks=_CP_QUIRKS.get(family.name))
+
+
+_install.install()
+_register_families()
 
 __all__ = ["compile_report", "compile_repeated_blocks", "init_distributed", "is_main_process", "is_replica_leader",
            "is_tp_leader", "load_pipeline", "rank", "stock_plan", "using_plan", "warmup", "__version__"]

@@ -32,7 +32,8 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from torch._dynamo.utils import compilation_time_metrics, counters, guard_failures
 
-from .parallel import patches
+from .compat import context as compat_context
+from .compat import plans as compat_plans
 from .parallel.cache import group_cache_of
 
 
@@ -108,7 +109,7 @@ def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", *, block
             # A torch pre-hook, the same compiler-disabled function on every block: one graph serves them all.
             module.register_forward_pre_hook(_row_major_block_inputs, with_kwargs=True)
     if cache is None:
-        patches.compile_blocks(transformer, block_classes, backend=backend, **options)
+        compat_plans.compile_blocks(transformer, block_classes, backend=backend, **options)
         return transformer
     with cache.suspended():  # each block's own forward, so the re-installed cache hooks stay outside the graphs
         for module in transformer.modules():
@@ -121,13 +122,13 @@ def compiled_block_classes(transformer: torch.nn.Module, adapter=None, blocks: l
     """The block classes `compile_repeated_blocks` compiles: `blocks`, else the pipeline adapter's choice (it may
     narrow them to those that run at bucketed shapes, MiniMax-H3: not its refiner), else the model's repeated
     blocks."""
-    return list(blocks or getattr(adapter, "compiled_blocks", None) or patches.repeated_blocks(transformer))
+    return list(blocks or getattr(adapter, "compiled_blocks", None) or compat_plans.repeated_blocks(transformer))
 
 
 def _refuse_any_length(transformer: torch.nn.Module) -> None:
     """diffusers' *_anything context-parallel modes gather each rank's length at every attention call (a host sync
     that dynamo cannot put in a graph): refuse before compiling rather than fail inside `fullgraph` tracing."""
-    cp = patches.context_parallel_config_of(transformer)
+    cp = compat_context.context_parallel_config_of(transformer)
     if cp is not None and (cp.ulysses_anything or cp.ring_anything):
         raise ValueError(
             f"{type(transformer).__name__} runs context parallelism in diffusers' "

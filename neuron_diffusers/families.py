@@ -72,6 +72,11 @@ class Family:
         return {"default": self.plan, **({"lean": lean} if lean is not None else {})}
 
     @property
+    def cp_plan(self) -> dict | None:
+        """Our context-parallel plan (`CP_PLAN`) for a class diffusers ships none for; None: stock's, if any."""
+        return getattr(self.plan_module, "CP_PLAN", None)
+
+    @property
     def model_class_name(self) -> str:
         return self.plan_module.MODEL_CLASS
 

@@ -35,6 +35,7 @@ from diffusers import ContextParallelConfig, ParallelConfig, TensorParallelConfi
 from torch.distributed.device_mesh import DeviceMesh
 
 from .checkpoint import Checkpoint, resolve
+from .compat.plans import record_tp_plan, using_plan
 from .consistency import ENTRY_TIMEOUT_S, CallEntry, LatentAgreement, agree, raise_agreed, shareable
 from .distributed import (
     broadcast_from_leader,
@@ -53,7 +54,6 @@ from .parallel import context
 from .parallel.cache import GroupCache, check_cache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
 from .parallel.lora import FusedLoras, check_loras
-from .parallel.patches import record_tp_plan, using_plan
 from .parallel.plan_variants import variant_plan
 from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
@@ -488,7 +488,7 @@ def load_pipeline(
                                    dim_size(mesh, "ring"), cp_any_length, block_causal=adapter.cp_block_causal)
         buckets = context.round_buckets(buckets, degree) if mode.pad else ()
     # A degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is read
-    # (see `parallel/patches.py`).
+    # (see `compat/`).
     parallel = _parallel_config(mesh, mode)
     vae_min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"),
                                           dim_size(mesh, "tp") * degree)

@@ -14,7 +14,7 @@ import vae_jobs
 from test_runner import stock_output
 
 from neuron_diffusers import tiny
-from neuron_diffusers.parallel.patches import vae_blocks
+from neuron_diffusers.compat.vae import vae_blocks
 from neuron_diffusers.parallel.vae import check_supported, resolve_parallel_vae
 from neuron_diffusers.parallel.vae_rows import RowGeometry, split_rows
 from neuron_diffusers.tools.spawn import run_on_cpu_ranks

@@ -21,7 +21,7 @@ def qwen_runs(tiny_checkpoint):
     pipeline as it is; for Qwen-Image-2.1 also from padded embeddings with our positions (`exact_text_padding`)."""
     from diffusers import DiffusionPipeline
 
-    from neuron_diffusers.parallel import patches
+    from neuron_diffusers.pipelines.qwenimage21_padding import exact_text_padding
 
     runs = {}
     for family in ("qwenimage", "qwenimage21"):
@@ -34,7 +34,7 @@ def qwen_runs(tiny_checkpoint):
         padded = adapter.pad(embeds, (64,))
         runs[family] = adapter, embeds, padded, latents_from(pipe, embeds), latents_from(pipe, padded)
         if family == "qwenimage21":
-            handle = patches.exact_text_padding(pipe.transformer)
+            handle = exact_text_padding(pipe.transformer)
             runs["qwenimage21 exact"] = latents_from(pipe, padded), latents_from(pipe, embeds)
             handle.remove()
             runs["qwenimage21 removed"] = latents_from(pipe, padded)
@@ -54,7 +54,7 @@ def test_padding_to_a_bucket_keeps_qwen_image_exact(qwen_runs):
 def test_qwen_image21_is_exact_padded_only_with_our_positions(qwen_runs):
     """The sentinel: stock Qwen-Image-2.1 places the image after every text position, padding included, so padding
     moves the image; with `exact_text_padding` it does not (and unpadded input is untouched). If stock alone starts to
-    give the unpadded latents, upstream changed the RoPE layout: `patches.exact_text_padding` can go."""
+    give the unpadded latents, upstream changed the RoPE layout: `exact_text_padding` can go."""
     adapter, embeds, padded, unpadded_latents, stock_padded_latents = qwen_runs["qwenimage21"]
     assert adapter.buckets == (64, 128, 256, 512, 1024)
     assert padded["prompt_embeds"].shape[1] == 64 > embeds["prompt_embeds"].shape[1]

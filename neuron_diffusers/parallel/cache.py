@@ -30,7 +30,7 @@ forwards computed vs served from the cache, per pipeline call.
   Qwen-Image-2.1 and MiniMax-H3 blocks have none in diffusers 0.42.1 (registered here), and `coalesce` swaps
   dual-stream blocks to a same-named subclass, which inherits its stock class's metadata here.
 
-Every diffusers-private access (block registry, hook names, decision points) goes through `patches`.
+Every diffusers-private access (block registry, hook names, decision points) goes through `compat.cache`.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import diffusers
 import torch
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 
-from . import patches
+from ..compat import cache as compat_cache
+from ..compat.cache import FLUX_MAG_RATIOS
 
 #: Caches whose decisions this module shares or records, by config class name.
 SUPPORTED = ("FirstBlockCacheConfig", "TaylorSeerCacheConfig", "MagCacheConfig")
@@ -286,10 +286,10 @@ class GroupCache:
     def _wrap_decisions(self) -> None:
         name = type(self.config).__name__
         if name == "FirstBlockCacheConfig":
-            patches.wrap_first_block_decisions(self.transformer, self._first_block_decision)
+            compat_cache.wrap_first_block_decisions(self.transformer, self._first_block_decision)
         elif name == "TaylorSeerCacheConfig":
             record = lambda context, computed: self._record(context, computed, computed)  # noqa: E731
-            if not patches.wrap_taylorseer_decisions(self.transformer, record):
+            if not compat_cache.wrap_taylorseer_decisions(self.transformer, record):
                 raise ValueError(
                     f"TaylorSeerCacheConfig matched no module of {type(self.transformer).__name__}, so nothing would "
                     "be cached. Set `cache_identifiers` to regexes over module names "
@@ -304,7 +304,7 @@ class GroupCache:
         if not self._enabled:
             return
         if type(self.config).__name__ == "MagCacheConfig":
-            context, computed = patches.mag_cache_decision(self.transformer)
+            context, computed = compat_cache.mag_cache_decision(self.transformer)
             self._record(context, computed, computed)
             decided = [computed]
         # A forward counts as cached when any hooked module skipped its computation (TaylorSeer: all alike).
@@ -315,7 +315,7 @@ class GroupCache:
     def check_compilable(self, block_classes: list[str]) -> None:
         """Refuse to compile blocks that hold a cache hook inside them: its decision would land in their graphs."""
         blocks = [name for name, module in self.transformer.named_modules() if type(module).__name__ in block_classes]
-        inside = [name for name in patches.cache_hooked_modules(self.transformer)
+        inside = [name for name in compat_cache.cache_hooked_modules(self.transformer)
                   if any(name.startswith(f"{block}.") for block in blocks)]
         if inside:
             raise ValueError(
@@ -369,18 +369,18 @@ def _register_block_metadata(transformer: torch.nn.Module, config) -> None:
     """Give every hooked block class the metadata FirstBlockCache and MagCache read (before they look it up)."""
     if type(config).__name__ not in ("FirstBlockCacheConfig", "MagCacheConfig"):
         return
-    blocks = patches.cache_blocks(transformer)
+    blocks = compat_cache.cache_blocks(transformer)
     if not blocks:
         raise ValueError(f"{type(config).__name__} hooks the blocks of a transformer's block lists, and "
                          f"{type(transformer).__name__} has none diffusers recognises. Use TaylorSeerCacheConfig.")
     for cls in dict.fromkeys(type(block) for block in blocks):
-        if patches.block_metadata(cls) is not None:
+        if compat_cache.block_metadata(cls) is not None:
             continue
         # `coalesce` swaps a block to a same-named subclass with a reordered forward of the same signature.
         stock = next((base for base in cls.__mro__[1:]
-                      if base.__name__ == cls.__name__ and patches.block_metadata(base) is not None), None)
+                      if base.__name__ == cls.__name__ and compat_cache.block_metadata(base) is not None), None)
         if stock is not None:
-            patches.inherit_block_metadata(cls, stock)
+            compat_cache.inherit_block_metadata(cls, stock)
             continue
         if cls.__name__ not in OWN_BLOCK_METADATA:
             raise ValueError(
@@ -388,8 +388,8 @@ def _register_block_metadata(transformer: torch.nn.Module, config) -> None:
                 f"diffusers has no metadata for it. Use TaylorSeerCacheConfig, or add {cls.__name__} to "
                 "neuron_diffusers.parallel.cache.OWN_BLOCK_METADATA."
             )
-        patches.register_block_metadata(cls, *OWN_BLOCK_METADATA[cls.__name__])
-    head, tail = (patches.block_metadata(type(block)) for block in (blocks[0], blocks[-1]))
+        compat_cache.register_block_metadata(cls, *OWN_BLOCK_METADATA[cls.__name__])
+    head, tail = (compat_cache.block_metadata(type(block)) for block in (blocks[0], blocks[-1]))
     if type(config).__name__ == "FirstBlockCacheConfig" and (head[1] is None) != (tail[1] is None):
         # FLUX.2: stock FirstBlockCache subtracts the head's (text, image) pair from the tail's one joined tensor.
         raise ValueError(

@@ -20,7 +20,7 @@ Everything is installed per instance: hooks (the hoisting one named `HOIST_HOOK`
 two attributes (`_nd_tp_mesh` on coalesced blocks, `_nd_hoist` on hoisted Linears), and a swap of the instance's
 class to a subclass whose `forward` is ours (one subclass per class, with the same name, so diffusers finds the
 repeated blocks and `compile_repeated_blocks` compiles one graph for all of them: an instance-bound `forward`
-would cost one graph per block). The transactional `enable_parallelism` (`patches.py`) restores classes,
+would cost one graph per block). The transactional `enable_parallelism` (`compat/enable.py`) restores classes,
 attributes and hooks on failure.
 """
 
@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
 from torch.distributed import _functional_collectives as funcol
 
+from ..compat.privates import Flux2Modulation
+from ..compat.version import pinned_diffusers
 from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
 from .rules import expand_rule
 
@@ -385,7 +386,7 @@ def check_plan(model: torch.nn.Module, plan: dict, *, whole_plan: bool = True) -
             raise ValueError(
                 f"This diffusers' {block_cls.__name__}.forward differs from the diffusers 0.42.1 one that "
                 f"neuron_diffusers' coalesced forward mirrors, so reducing {sorted(paths)} together could compute "
-                f"something else. Install diffusers==0.42.1, or use 'rowwise' for these Linears."
+                f"something else. Install diffusers{pinned_diffusers()}, or use 'rowwise' for these Linears."
             )
 
 

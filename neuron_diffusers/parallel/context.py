@@ -4,7 +4,7 @@ diffusers' `ContextParallelConfig` splits the sequence over a ("ring", "ulysses"
 attention backends exchange heads for sequence (Ulysses: all-to-all) or rotate key/value blocks (ring) inside that
 region; our TP shards heads over "tp". One image then runs on an *image group* of tp x ulysses x ring ranks, and
 CFG pairs and dp replicas of such groups tile the world (`distributed.init_distributed`). Everything here is
-public logic; the diffusers private names it needs are reached through `patches.py`.
+public logic; the diffusers private names it needs are reached through `compat/`.
 
 What must divide:
 

@@ -1,4 +1,5 @@
-"""A context-parallel plan for Qwen-Image-2.1, which diffusers ships without one (Ulysses only).
+"""Context parallelism for Qwen-Image-2.1, which diffusers ships without a plan (Ulysses only): the block-causal
+hooks its plan (`CP_PLAN` in `tp_plans/qwenimage21.py`) needs, registered as the class's context-parallel quirks.
 
 Qwen-Image-2.1 runs one joint sequence: text and condition images (the prefix), then the target image. Attention is
 block-causal: text is causal, each image block bidirectional, the target sees everything. Its stock processor
@@ -30,21 +31,14 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-MODEL_CLASS = "QwenImage21Transformer2DModel"
 RING_REFUSAL = ("Qwen-Image-2.1's block-causal attention needs Ulysses: ring attention would apply one rank's part of "
                 "the mask to every rotated key block. Use ContextParallelConfig(ulysses_degree=N).")
 
 
-def cp_plan(ContextParallelInput, ContextParallelOutput) -> dict:  # noqa: N803  -- diffusers' classes, from patches
-    """The plan (data): which inputs are split along the sequence where, and where the output is gathered."""
-    rows = ContextParallelInput(split_dim=0, expected_dims=1)
-    return {
-        "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
-        "transformer_blocks.*": {"rotary_emb": ContextParallelInput(split_dim=0, expected_dims=2),
-                                 "target_token_mask": rows},
-        "norm_out": {"target_token_mask": rows},
-        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
-    }
+def check(cp_config) -> None:
+    """Refuse ring attention before any weight is read (`compat.context` calls it for the registered class)."""
+    if cp_config.ring_degree > 1:
+        raise ValueError(RING_REFUSAL)
 
 
 def chunk(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -153,8 +147,7 @@ class BlockCausalUnderUlysses:
 
 def install(model: torch.nn.Module, cp_config, cp_rank: int, cp_size: int) -> None:
     """Register the block pre-hooks on `model` (call before diffusers' `apply_context_parallel`)."""
-    if cp_config.ring_degree > 1:
-        raise ValueError(RING_REFUSAL)
+    check(cp_config)
     hook = BlockCausalUnderUlysses(cp_rank, cp_size)
     model.register_forward_pre_hook(hook.reset, with_kwargs=True)
     for block in model.transformer_blocks:

@@ -44,7 +44,8 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import families
-from . import patches
+from ..compat import plans as compat_plans
+from ..compat import tp_loading
 
 #: The adapter name PEFT injects under in the meta-device copy that reports each module's scaling.
 _ADAPTER = "neuron_diffusers"
@@ -454,8 +455,8 @@ class FusedLoras:
         if not isinstance(weight, DTensor) or all(isinstance(p, Replicate) for p in weight.placements):
             return None, None, None
         if self._specs is None:
-            plan = patches.tp_plan_of(self.transformer) if self._plan is None else self._plan
-            self._specs = patches.shard_specs(self.transformer, plan, weight.device_mesh.size(), whole_plan=False)
+            plan = compat_plans.tp_plan_of(self.transformer) if self._plan is None else self._plan
+            self._specs = tp_loading.shard_specs(self.transformer, plan, weight.device_mesh.size(), whole_plan=False)
         placement, spec = weight.placements[0], self._specs.get(f"{name}.weight")
         if len(weight.placements) != 1 or not isinstance(placement, Shard) or spec is None or spec.dim != placement.dim:
             raise LoraError(
@@ -469,9 +470,9 @@ class FusedLoras:
         dim, blocks, mesh = self._layout(name)
         a, b = (t.to(device=device, dtype=torch.float32) for t in (factors.A, factors.B))
         if dim == 0:
-            b = patches.local_shard(b, 0, blocks, mesh)
+            b = tp_loading.local_shard(b, 0, blocks, mesh)
         elif dim == 1:
-            a = patches.local_shard(a, 1, blocks, mesh)
+            a = tp_loading.local_shard(a, 1, blocks, mesh)
         return a, b
 
     @torch.no_grad()

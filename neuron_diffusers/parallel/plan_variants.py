@@ -11,7 +11,7 @@ same words, before any weight is read.
 from __future__ import annotations
 
 from .. import families
-from .patches import stock_plan
+from ..compat.plans import stock_plan
 
 #: What `plan=` / `--plan` accept.
 VARIANTS = ("default", "lean", "stock")

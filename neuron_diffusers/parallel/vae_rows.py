@@ -25,13 +25,13 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..compat.vae import vae_blocks
 from ..distributed import is_main_process
-from . import patches
 
 logger = logging.getLogger(__name__)
 
 ROW_DIM = -2  # the height axis of every 4D (B, C, H, W) and 5D (B, C, T, H, W) tensor these VAEs pass around
-#: torch leaves whose output row r depends only on input row r (diffusers' own are `patches.VAE_BLOCKS["row_local"]`).
+#: torch leaves whose output row r depends only on input row r (diffusers' own: `compat.vae.VAE_BLOCKS["row_local"]`).
 TORCH_ROW_LOCAL = (nn.SiLU, nn.Dropout, nn.Identity)
 
 
@@ -86,7 +86,7 @@ class RowGeometry:
 
 def _unit_geometry(module: nn.Module) -> RowGeometry | None:
     """The geometry of a module that convolves across rows as one unit, or None if it is not such a unit."""
-    if isinstance(module, patches.vae_blocks("bottom_padded_downsample")) and module.use_conv and module.padding == 0:
+    if isinstance(module, vae_blocks("bottom_padded_downsample")) and module.use_conv and module.padding == 0:
         return RowGeometry.of_conv(module.conv, pad_top=0, pad_bottom=1)  # pads one zero row below, then convolves
     if isinstance(module, nn.Sequential) and len(module) == 2 and type(module[0]) is nn.ZeroPad2d:
         pad, conv = module[0], module[1]
@@ -95,7 +95,7 @@ def _unit_geometry(module: nn.Module) -> RowGeometry | None:
             return RowGeometry.of_conv(conv, pad_top=pad.padding[2] + own, pad_bottom=pad.padding[3] + own)
     if type(module) in (nn.Conv2d, nn.Conv3d):
         return RowGeometry.of_conv(module)
-    if type(module) in patches.vae_blocks("self_padding_convs"):
+    if type(module) in vae_blocks("self_padding_convs"):
         if module.stride[ROW_DIM] != 1:
             raise ValueError(f"Parallel VAE expects {type(module).__name__} to have stride 1 along rows.")
         kernel = module.kernel_size[ROW_DIM]
@@ -400,7 +400,7 @@ def plan_rows(entry: nn.Module, split: RowSplit) -> list[tuple[nn.Module, ModelH
     multiple the entry's strided units need. Raises `ValueError`, naming the module, for a leaf that might mix
     rows and has no handler."""
     plan, strides = [], []
-    gathered, row_local = patches.vae_blocks("gathered"), TORCH_ROW_LOCAL + patches.vae_blocks("row_local")
+    gathered, row_local = vae_blocks("gathered"), TORCH_ROW_LOCAL + vae_blocks("row_local")
 
     def visit(module: nn.Module, path: str):
         if type(module) in gathered:

@@ -27,6 +27,7 @@ import diffusers
 import torch
 import torch.nn.functional as F
 
+from ..compat import privates
 from ..distributed import is_main_process
 from ..media import read_png_text, save_png
 
@@ -386,9 +387,7 @@ class StockPipelineAdapter(PipelineAdapter):
         config = self.dynamic_shift_config(checkpoint)
         if config is None:
             return None
-        from ..parallel import patches  # here: patches imports `families`, which imports this module
-
-        calculate_shift = patches.internal(self.own_module(), "calculate_shift")
+        calculate_shift = privates.internal(self.own_module(), "calculate_shift")
         names = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
         return lambda tokens: calculate_shift(tokens, *(config[name] for name in names))
 

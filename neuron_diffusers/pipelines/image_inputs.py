@@ -47,8 +47,8 @@ import torch.distributed as dist
 from PIL import Image
 from safetensors import safe_open
 
+from ..compat.vae import posterior_parameters, vae_encode_output
 from ..consistency import checksum
-from ..parallel.patches import posterior_parameters, vae_encode_output
 
 #: Call kwargs a stock image-conditioned call takes that `generate` checks and passes on.
 IMAGE_KWARGS = ("image", "mask_image", "strength")

@@ -3,16 +3,18 @@
 Bucketed exactly, like Qwen-Image: the embeddings are right-padded (mask 0) to a length bucket, so every prompt of a
 bucket shares one compiled graph, and the image is the unpadded one (tested, KV cache on and off, CFG-parallel and
 under context parallelism). Stock masks the padded rows out as keys but numbers RoPE positions along the joint
-sequence with them, so the image block would start after the padding; `patches.exact_text_padding`, installed on
-each rank's transformer (`load_denoiser`), numbers the sequence without the padded rows instead. The encoder does
-not truncate: an encoding of 1024 tokens or more (a long prompt, or an input image's vision tokens) pads past the
-largest bucket to a multiple of 256 (`bucket_for`), a static length of its own; padded rows take no position, and the
-rotary table holds 8192 positions for text and image sides together. Pass larger `buckets=` to warm those up.
+sequence with them, so the image block would start after the padding; `exact_text_padding`
+(`qwenimage21_padding.py`), installed on each rank's transformer (`load_denoiser`), numbers the sequence without the
+padded rows instead. The encoder does not truncate: an encoding of 1024 tokens or more (a long prompt, or an input
+image's vision tokens) pads past the largest bucket to a multiple of 256 (`bucket_for`), a static length of its own;
+padded rows take no position, and the rotary table holds 8192 positions for text and image sides together. Pass
+larger `buckets=` to warm those up.
 """
 
 import torch
 
 from .base import StockPipelineAdapter
+from .qwenimage21_padding import exact_text_padding
 
 
 class QwenImage21Adapter(StockPipelineAdapter):
@@ -38,10 +40,8 @@ class QwenImage21Adapter(StockPipelineAdapter):
 
     def load_denoiser(self, checkpoint, transformer, torch_dtype, device, decodes: bool, helps_decode: bool = False):
         """The stock denoiser, its transformer numbering RoPE positions as if the text were not padded."""
-        from ..parallel import patches  # here: patches imports `families`, which imports this module
-
         pipe = super().load_denoiser(checkpoint, transformer, torch_dtype, device, decodes, helps_decode)
-        patches.exact_text_padding(pipe.transformer)
+        exact_text_padding(pipe.transformer)
         return pipe
 
     def vae_scale_factor(self, vae_config: dict) -> int:

@@ -8,7 +8,7 @@ stream) over a single packed video + audio + text sequence. Each block is Megatr
   are RMSNorm over `head_dim` and the rotary embedding rotates channels within each head, so both
   act per head and are unchanged by head sharding. (The stock processor's
   `unflatten(-1, (attn.heads, -1))` needs `attn.heads` set to the local head count once sharded;
-  `parallel/patches.py` does that.)
+  `compat/tp_loading.py` does that.)
 - feed-forward: diffusers `FeedForward(activation_fn="swiglu")`, i.e. `net.0` = `SwiGLU` whose
   `proj` (5376 -> 2 x 14336) is `chunk(2)`ed into value and gate halves, then `net.2` (14336 -> 5376).
   `PackedColwiseParallel([1, 1])` gives each rank the matching slices of both halves; `net.2` rowwise.

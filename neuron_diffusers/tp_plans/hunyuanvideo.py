@@ -9,7 +9,7 @@ sequence, attention and MLP side by side), 24 heads of 128 (`inner_dim` 3072).
   each rank owns whole heads; `to_out.0` / `to_add_out` rowwise, whose all-reduce makes the stream
   whole again. The QK-norms are RMSNorm over `head_dim`, applied per head, so head sharding leaves
   them alone. The processors split heads with `attn.heads` (HunyuanVideo's own and the refiner's
-  stock `AttnProcessor2_0`); `parallel/patches.py` sets it to the local head count after sharding.
+  stock `AttnProcessor2_0`); `compat/tp_loading.py` sets it to the local head count after sharding.
 - MLPs: `ff.net.0.proj` colwise (an elementwise GELU / SiLU follows), `ff.net.2` rowwise.
 - Single-stream blocks have no attention output projection: `proj_out` reads
   `cat([attention output (inner_dim), MLP hidden (mlp_ratio x inner_dim)])`, so it is

@@ -25,6 +25,7 @@ Per rank at TP=8 (bf16): `PLAN` 1.88 GiB (64 all-reduces), `LEAN_PLAN` 1.69 GiB 
 1 all-gather), ideal (total / 8) 1.66 GiB.
 """
 
+from ..compat.privates import ContextParallelInput, ContextParallelOutput
 from .styles import GatheredColwiseParallel
 
 MODEL_CLASS = "QwenImage21Transformer2DModel"
@@ -57,4 +58,16 @@ LEAN_PLAN = {
     # Text projection MLP: colwise in, rowwise out (all-reduce back to the whole text stream).
     "txt_in.in_layer": "colwise",  # 0.24%
     "txt_in.out_layer": "rowwise",  # 0.24%
+}
+
+# Context parallelism: diffusers 0.42.1 ships no `_cp_plan` for 2.1, so this one is registered as the class default.
+# Which inputs are split along the sequence where, and where the output is gathered; Ulysses only, with the
+# block-causal hooks of `parallel/context_qwenimage21.py` (which explains the split).
+_ROWS = ContextParallelInput(split_dim=0, expected_dims=1)
+CP_PLAN = {
+    "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
+    "transformer_blocks.*": {"rotary_emb": ContextParallelInput(split_dim=0, expected_dims=2),
+                             "target_token_mask": _ROWS},
+    "norm_out": {"target_token_mask": _ROWS},
+    "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
 }

@@ -10,7 +10,7 @@ diffusers' plans say `"colwise"`, `"rowwise"`, `PackedColwiseParallel(blocks)` o
 - Where a rowwise Linear's all-reduce happens. Per-collective latency dominates small collectives, and a
   dual-stream (MMDiT) block's image and text streams can be reduced together: `PartialRowwiseParallel`.
 
-Both are data, read by `parallel/patches.py` (layout) and `parallel/coalesce.py` (the
+Both are data, read by `compat/tp_loading.py` (layout) and `parallel/coalesce.py` (the
 forward-time behaviour).
 """
 

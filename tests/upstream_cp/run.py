@@ -4,11 +4,11 @@
 
 DIFFUSERS_CHECKOUT holds a diffusers source tree's `tests/` only (the wheel ships none), e.g. `git archive COMMIT
 tests | tar -x -C DIR` plus the commit in `DIR/COMMIT`: a full checkout's conftest would import its own
-`src/diffusers` instead of the installed one. The mixin is diffusers' test code: it is run from that checkout, not copied here. It selects the context-
-parallel tests of the four transformers that ship a `_cp_plan` (FLUX.1, FLUX.2, Qwen-Image, MiniMax-H3; set
-`UPSTREAM_CP_MODULES` to run fewer), their Ulysses cases; ring cases skip themselves with the native attention
-backend (diffusers' rule). Without the package, stock divides by `torch.accelerator.device_count()` (0 on a CPU
-host) and fails.
+`src/diffusers` instead of the installed one. The mixin is diffusers' test code: it is run from that checkout, not
+copied here. It selects the context-parallel tests of the four transformers that ship a `_cp_plan` (FLUX.1, FLUX.2,
+Qwen-Image, MiniMax-H3; set `UPSTREAM_CP_MODULES` to run fewer), their Ulysses cases; ring cases skip themselves with
+the native attention backend (diffusers' rule). Without the package, stock divides by
+`torch.accelerator.device_count()` (0 on a CPU host) and fails.
 
 `--runs N` repeats the whole selection N times (an abort at exit can be intermittent); `--json FILE` stores each
 run's counts, exit status and whether any process aborted ("terminate called", SIGABRT), with the command, date,

@@ -23,9 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ... import tiny
 from ...checkpoint import resolve
+from ...compat.plans import stock_plan, using_plan
 from ...distributed import init_distributed
 from ...families import by_model_class
-from ...parallel.patches import stock_plan, using_plan
 from ..plan.cases import reference_call
 from ..spawn import run_on_cpu_ranks
 

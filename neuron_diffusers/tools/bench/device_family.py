@@ -31,9 +31,9 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from ... import families, tiny
 from ...checkpoint import resolve
+from ...compat import plans as compat_plans
 from ...compile import compile_repeated_blocks, compile_report, compiled_block_classes, resolve_backend, warmup
 from ...distributed import init_distributed, mesh_device
-from ...parallel import patches
 from ...runner import load_pipeline
 from .compile import PROMPTS
 from .device_folder import full_size_folder
@@ -231,7 +231,7 @@ class _Run:
         ours = weakref.ref(adapter.transformer_of(pipe.pipe))
         stock = self._stock_denoiser(adapter, pipe, cls, config)
         del pipe
-        patches.compile_blocks(stock.transformer, blocks, backend=self.backend, fullgraph=True,
+        compat_plans.compile_blocks(stock.transformer, blocks, backend=self.backend, fullgraph=True,
                                dynamic=False)
         embeds = _device_embeds(embeds, self.device)
         if hasattr(adapter, "pipeline_cls"):

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from ... import families
-from ...parallel.patches import stock_plan
+from ...compat.plans import stock_plan
 from ..plan.meta import meta_transformer
 from ..plan.sharding import BF16_BYTES, GIB, per_rank_params
 from . import plot, rss

@@ -36,8 +36,8 @@ from safetensors.torch import save_file
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ...compat.tp_loading import shard_specs
 from ...parallel import lora
-from ...parallel.patches import shard_specs
 from ...parallel.plan_variants import variant_plan
 from ..plan.sharding import BF16_BYTES, held_params, planned_model
 from ..spawn import run_on_cpu_ranks

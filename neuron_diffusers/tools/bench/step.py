@@ -42,8 +42,8 @@ from diffusers import TensorParallelConfig
 from ... import families, tiny
 from ...checkpoint import resolve
 from ...cli import positive_int
+from ...compat.plans import stock_plan, using_plan
 from ...distributed import init_distributed
-from ...parallel.patches import stock_plan, using_plan
 from ..plan.cases import capture_first_call, predictions
 from ..plan.meta import meta_transformer
 from ..spawn import run_on_cpu_ranks

@@ -4,7 +4,7 @@ Most plan mistakes show in the shapes alone: a rule that names nothing (a typo, 
 the module), a colwise Linear whose split output nothing puts back together, packed proportions that do not
 divide the fused Linear, a degree that splits a head. The check builds the model on the `meta` device (shapes
 only: a 13 B model in a second) and reads the plan through diffusers' own `resolve_tp_shard_specs`
-(`patches.shard_specs`), the function the loader streams each rank's slice with. What shapes cannot show
+(`compat.tp_loading.shard_specs`), the function the loader streams each rank's slice with. What shapes cannot show
 (packed proportions that divide but are wrong, a partner that is the wrong Linear) takes numbers:
 `plan verify`.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from ... import families, tp_plans
+from ...compat.tp_loading import shard_specs
 from ...parallel import coalesce
-from ...parallel.patches import shard_specs
 from ...parallel.rules import expand, expand_rule, style_kind
 from .meta import meta_transformer
 from .report import human_params, param_group

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...compat.plans import cp_plan_of
 from ...parallel.layouts import Layout
-from ...parallel.patches import cp_plan_of
 from ...parallel.rules import collective_groups
 from .trace import Forward, Trace, module_patterns
 

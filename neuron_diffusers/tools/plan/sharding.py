@@ -2,16 +2,16 @@
 `plan verify`, `bench memory`).
 
 All of it runs on meta-device models (`meta.py`) through diffusers' own `resolve_tp_shard_specs`
-(`patches.shard_specs`), the function the loader streams each rank's slice with, so the figures are what a load would
-place on a rank.
+(`compat.tp_loading.shard_specs`), the function the loader streams each rank's slice with, so the figures are what a
+load would place on a rank.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...compat.tp_loading import shard_specs
 from ...distributed import divisors
-from ...parallel.patches import shard_specs
 from .meta import MetaModel, meta_transformer
 
 BF16_BYTES = 2

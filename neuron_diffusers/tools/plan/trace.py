@@ -28,8 +28,8 @@ from torch.overrides import TorchFunctionMode
 
 from ... import tiny
 from ...checkpoint import resolve
+from ...compat.plans import cp_plan_of
 from ...families import Family
-from ...parallel.patches import cp_plan_of
 
 PROMPT = "a red fox in the snow"
 NEGATIVE_PROMPT = "blurry"

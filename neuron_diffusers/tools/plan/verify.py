@@ -21,8 +21,8 @@ import torch.distributed.tensor as dtensor
 from diffusers import TensorParallelConfig
 
 from ... import families
+from ...compat.plans import using_plan
 from ...distributed import init_distributed
-from ...parallel.patches import using_plan
 from ..spawn import run_on_cpu_ranks
 from .cases import Case, build_case, predictions
 from .check import add_plan_argument, load_plan, model_for
