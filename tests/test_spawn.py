@@ -89,3 +89,14 @@ def test_a_rank_that_dies_fails_its_job_and_the_next_job_gets_fresh_ranks(pool):
     with pytest.raises(RuntimeError, match="rank 1 exited with code 3 without a result"):
         pool.run(_rank_1_dies)
     assert pool.run(_rank_and_world) == [(0, 2), (1, 2)]
+
+
+def test_a_case_that_raises_fails_only_the_test_that_reads_it():
+    from rank_cases import case, record
+
+    report = {}
+    record(report, "fine", lambda: 1)
+    record(report, "broken", lambda: 1 / 0)
+    assert case([report, report], "fine") == [1, 1]
+    with pytest.raises(pytest.fail.Exception, match="rank 0: case 'broken' raised:(.|\n)*ZeroDivisionError"):
+        case([report, report], "broken")
