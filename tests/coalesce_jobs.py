@@ -1,4 +1,4 @@
-"""Rank jobs for tests/test_coalesce.py (module level, so `spawn` can import them)."""
+"""Rank jobs for tests/test_coalesce.py, one a test (module level, so the rank pool can import them)."""
 
 from __future__ import annotations
 
@@ -70,70 +70,104 @@ class _ThreeOutputs:
         return first, second, torch.zeros_like(first)
 
 
-def coalesce_checks(checkpoints: dict, calls: dict) -> dict:
-    """Ours vs stock TP for every family, and the coalescing styles' guards, on 2 CPU ranks."""
+def _tp_mesh():
+    import neuron_diffusers as nd
+
+    return nd.init_distributed(tp=2)["tp"]
+
+
+def _load_ours(checkpoint):
     from diffusers import TensorParallelConfig
 
-    import neuron_diffusers as nd
-    from neuron_diffusers import stock_plan, using_plan
     from neuron_diffusers.checkpoint import resolve
-    from neuron_diffusers.parallel import coalesce
-    from neuron_diffusers.tp_plans import GatheredColwiseParallel
 
-    mesh = nd.init_distributed(tp=2)["tp"]
-    report = {}
-    models = {}
-    for family, checkpoint in checkpoints.items():
-        args, kwargs, single = calls[family]
-        cls = resolve(checkpoint).transformer_class()
-        ours = cls.from_pretrained(checkpoint, subfolder="transformer", parallel_config=TensorParallelConfig(mesh=mesh))
-        out = _forward(ours, args, kwargs)
-        entry = {"vs_single": _max_diff(out, single), "calls": _count(ours, args, kwargs),
-                 "stale": _stale_hoisted(ours)}
-        # diffusers has no MiniMax-H3 plan: there the reference is ours with one collective per Linear, as stock does.
-        reference_plan = stock_plan(cls) or _uncoalesced(cls._tp_plan)
-        with using_plan(cls, reference_plan):
-            stock = cls.from_pretrained(checkpoint, subfolder="transformer",
-                                        parallel_config=TensorParallelConfig(mesh=mesh))
-        stock_out = _forward(stock, args, kwargs)
-        entry["vs_stock"] = _max_diff(out, stock_out)
-        entry["reference_calls"] = _count(stock, args, kwargs)
-        report[family] = entry
-        models[family] = ours
+    cls = resolve(checkpoint).transformer_class()
+    return cls, cls.from_pretrained(checkpoint, subfolder="transformer",
+                                    parallel_config=TensorParallelConfig(mesh=_tp_mesh()))
 
-    flux = models["flux"]
+
+def family_check(checkpoint, call) -> dict:
+    """Ours vs one process and vs stock TP for one family, with the collectives each issues, on 2 CPU ranks."""
+    from diffusers import TensorParallelConfig
+
+    from neuron_diffusers import stock_plan, using_plan
+
+    args, kwargs, single = call
+    cls, ours = _load_ours(checkpoint)
+    out = _forward(ours, args, kwargs)
+    entry = {"vs_single": _max_diff(out, single), "calls": _count(ours, args, kwargs), "stale": _stale_hoisted(ours)}
+    # diffusers has no MiniMax-H3 plan: there the reference is ours with one collective per Linear, as stock does.
+    reference_plan = stock_plan(cls) or _uncoalesced(cls._tp_plan)
+    with using_plan(cls, reference_plan):
+        stock = cls.from_pretrained(checkpoint, subfolder="transformer",
+                                    parallel_config=TensorParallelConfig(mesh=_tp_mesh()))
+    entry["vs_stock"] = _max_diff(out, _forward(stock, args, kwargs))
+    entry["reference_calls"] = _count(stock, args, kwargs)
+    return entry
+
+
+def called_alone_check(flux, call) -> str:
+    """A hoisted Linear of a sharded FLUX.1 (after a forward) called on its own."""
+    _, model = _load_ours(flux)
+    _forward(model, *call[:2])
     try:
-        flux.transformer_blocks[0].norm1.linear(torch.zeros(1, flux.inner_dim))
-        report["called_alone"] = "accepted"
+        model.transformer_blocks[0].norm1.linear(torch.zeros(1, model.inner_dim))
+        return "accepted"
     except RuntimeError as error:
-        report["called_alone"] = str(error)
+        return str(error)
 
-    attn = flux.transformer_blocks[0].attn
+
+def third_output_check(flux, call) -> dict:
+    """An attention processor returning a third output (FLUX.1's IP-Adapter); then the model still works."""
+    _, model = _load_ours(flux)
+    report = {}
+    attn = model.transformer_blocks[0].attn
     stock_processor = attn.processor
     attn.processor = _ThreeOutputs(stock_processor)
-    args, kwargs, _ = calls["flux"]
     try:
-        _forward(flux, args, kwargs)
+        _forward(model, *call[:2])
         report["ip_adapter"] = "accepted"
     except ValueError as error:
         report["ip_adapter"] = str(error)
     attn.processor = stock_processor
-    report["after_error_stale"] = _stale_hoisted(flux)
-    report["after_error_diff"] = _max_diff(_forward(flux, *calls["flux"][:2]), calls["flux"][2])
+    report["after_error_stale"] = _stale_hoisted(model)
+    report["after_error_diff"] = _max_diff(_forward(model, *call[:2]), call[2])
+    return report
 
-    qwen_cls = resolve(checkpoints["qwenimage"]).transformer_class()
-    report["zero_cond_t"] = _zero_cond_qwen(checkpoints["qwenimage"], mesh, qwen_cls._tp_plan, calls["qwenimage"])
-    misdeclared = {**qwen_cls._tp_plan,
+
+def zero_cond_check(qwen, call) -> dict:
+    from neuron_diffusers.checkpoint import resolve
+
+    return _zero_cond_qwen(qwen, _tp_mesh(), resolve(qwen).transformer_class()._tp_plan, call)
+
+
+def misdeclared_check(qwen, call) -> dict:
+    """A hoist declared on a Linear whose input is not what it says: its own gather, and a warning."""
+    from neuron_diffusers.checkpoint import resolve
+    from neuron_diffusers.parallel import coalesce
+    from neuron_diffusers.tp_plans import GatheredColwiseParallel
+
+    misdeclared = {**resolve(qwen).transformer_class()._tp_plan,
                    "transformer_blocks.*.txt_mod.1": GatheredColwiseParallel(hoist_from="time_text_embed")}
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger(coalesce.__name__).addHandler(handler)
-    report["misdeclared"] = {**_zero_cond_qwen(checkpoints["qwenimage"], mesh, misdeclared, calls["qwenimage"]),
-                             "warnings": warnings}
+    logger = logging.getLogger(coalesce.__name__)
+    logger.addHandler(handler)
+    try:
+        return {**_zero_cond_qwen(qwen, _tp_mesh(), misdeclared, call), "warnings": warnings}
+    finally:
+        logger.removeHandler(handler)
 
-    failing = resolve(checkpoints["flux"]).transformer_class().from_pretrained(checkpoints["flux"],
-                                                                               subfolder="transformer")
+
+def restore_check(flux, call) -> dict:
+    """`enable_parallelism` failing right after `coalesce.install`: classes and hooks restored, model still works."""
+    from diffusers import TensorParallelConfig
+
+    from neuron_diffusers.checkpoint import resolve
+    from neuron_diffusers.parallel import coalesce
+
+    failing = resolve(flux).transformer_class().from_pretrained(flux, subfolder="transformer")
     classes = [type(m) for m in failing.modules()]
     install = coalesce.install
 
@@ -143,12 +177,10 @@ def coalesce_checks(checkpoints: dict, calls: dict) -> dict:
 
     coalesce.install = install_then_fail
     try:
-        failing.enable_parallelism(config=TensorParallelConfig(mesh=mesh))
+        failing.enable_parallelism(config=TensorParallelConfig(mesh=_tp_mesh()))
     except RuntimeError:
         pass
     finally:
         coalesce.install = install
-    report["restored"] = classes == [type(m) for m in failing.modules()] and not any(
-        m._forward_hooks for m in failing.modules())
-    report["restored_diff"] = _max_diff(_forward(failing, *calls["flux"][:2]), calls["flux"][2])
-    return report
+    restored = classes == [type(m) for m in failing.modules()] and not any(m._forward_hooks for m in failing.modules())
+    return {"restored": restored, "restored_diff": _max_diff(_forward(failing, *call[:2]), call[2])}

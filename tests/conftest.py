@@ -7,6 +7,7 @@ import pytest
 
 from neuron_diffusers import tiny
 from neuron_diffusers.cli import main
+from neuron_diffusers.tools.spawn import RankPools
 
 IMAGE_FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21")
 
@@ -23,6 +24,16 @@ def tiny_checkpoint(tmp_path_factory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """`rank_pool.run(fn, world_size, *args, timeout_s=...)` → each rank's `fn(*args)`, on gloo ranks spawned once
+    per world size for the whole session (a spawn costs a minute of imports on a busy machine). A job that fails
+    raises with its ranks' tracebacks and fails only its own test; a dead or hung rank gets the pool restarted."""
+    pools = RankPools(collective_timeout_s=300.0)
+    yield pools
+    pools.close()
 
 
 @pytest.fixture(autouse=True)

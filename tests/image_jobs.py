@@ -1,4 +1,4 @@
-"""Image inputs: shared test data and the rank job (run by `tools.spawn.run_on_cpu_ranks`)."""
+"""Image inputs: shared test data and the rank jobs (run on the tests' rank pool), one a case or check."""
 
 from __future__ import annotations
 
@@ -116,59 +116,84 @@ def first_call_inputs(transformer):
         handle.remove()
 
 
-def image_tp_checks(checkpoints: dict, cases: dict) -> dict:
-    """Every case through `load_pipeline(..., pipeline_class=...)` and `generate(image=...)`: TP = world size, or
+@contextmanager
+def _one_thread():
+    """One intra-op thread (the stock references' tolerances assume it), restored after: the pool's rank runs more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def image_case_check(checkpoints: dict, case: dict) -> dict:
+    """One case through `load_pipeline(..., pipeline_class=...)` and `generate(image=...)`: TP = world size, or
     cfg=2 x tp=world/2 for a case with `cfg`."""
+    with _one_thread():
+        shrink_edit_vae_area()
+        return _image_case(checkpoints, case)
+
+
+def _image_case(checkpoints: dict, case: dict) -> dict:
     import torch.distributed as dist
 
     import neuron_diffusers as nd
-    from neuron_diffusers.pipelines.image_inputs import Group
 
-    torch.set_num_threads(1)
-    shrink_edit_vae_area()
-    report = {}
-    for name, case in cases.items():
-        mesh = nd.init_distributed(cfg=case.get("cfg", 1))
-        pipe = nd.load_pipeline(checkpoints[case["model"]], mesh, pipeline_class=case["class"],
-                                parallel_vae=case.get("parallel_vae", False))
-        kwargs = case_inputs(case, first_image=99 if dist.get_rank() in case.get("other_image_on", ()) else None)
-        vae = getattr(pipe.pipe, "vae", None)
-        entry = {"holds_vae": vae is not None, "holds_encoder": pipe.encoder is not None}
-        call = {"seed": 0, "negative_prompt": case.get("negative"), "output_type": "np", **kwargs, **case["call"]}
-        if "other_image_on" in case:  # the entry handshake refuses another image on every rank before anything runs
-            try:
-                pipe.generate([PROMPT], **call)
-            except Exception as error:
-                entry["entry_error"] = f"{type(error).__name__}: {error}"
+    mesh = nd.init_distributed(cfg=case.get("cfg", 1))
+    pipe = nd.load_pipeline(checkpoints[case["model"]], mesh, pipeline_class=case["class"],
+                            parallel_vae=case.get("parallel_vae", False))
+    kwargs = case_inputs(case, first_image=99 if dist.get_rank() in case.get("other_image_on", ()) else None)
+    vae = getattr(pipe.pipe, "vae", None)
+    entry = {"holds_vae": vae is not None, "holds_encoder": pipe.encoder is not None}
+    call = {"seed": 0, "negative_prompt": case.get("negative"), "output_type": "np", **kwargs, **case["call"]}
+    if "other_image_on" in case:  # the entry handshake refuses another image on every rank before anything runs
         try:
-            # Past the handshake (skipped for the case of another image), the shared VAE encoding still catches it.
-            skipped = _past_the_entry_check() if "other_image_on" in case else nullcontext()
-            with first_call_inputs(pipe.adapter.transformer_of(pipe.pipe)) as seen, skipped, \
-                    counted_calls(None if vae is None else vae.encoder) as encodes:
-                images = pipe.generate([PROMPT], **call)
-            entry["inputs"] = [t.numpy() for t in seen] if dist.get_rank() == 0 else None
-            entry["vae_encoder_calls"] = len(encodes)
-            entry["output"] = None if images is None else np.asarray(images[0], dtype=np.float32)
-        except Exception as error:  # reported, so the test can assert every rank raised the same
-            entry["error"] = f"{type(error).__name__}: {error}"
-        vae = getattr(pipe.pipe, "vae", None)
-        entry["vae_after_call"] = None if vae is None else type(vae).__name__
-        if pipe.follower_vae is not None:  # what a rank without a VAE read: no encoder or decoder weight
-            entry["follower_vae_real"] = sorted(n for n, t in pipe.follower_vae().state_dict().items() if not t.is_meta)
-        entry["encode_prompt_restored"] = "encode_prompt" not in vars(pipe.pipe)
-        report[name] = entry
+            pipe.generate([PROMPT], **call)
+        except Exception as error:
+            entry["entry_error"] = f"{type(error).__name__}: {error}"
+    try:
+        # Past the handshake (skipped for the case of another image), the shared VAE encoding still catches it.
+        skipped = _past_the_entry_check() if "other_image_on" in case else nullcontext()
+        with first_call_inputs(pipe.adapter.transformer_of(pipe.pipe)) as seen, skipped, \
+                counted_calls(None if vae is None else vae.encoder) as encodes:
+            images = pipe.generate([PROMPT], **call)
+        entry["inputs"] = [t.numpy() for t in seen] if dist.get_rank() == 0 else None
+        entry["vae_encoder_calls"] = len(encodes)
+        entry["output"] = None if images is None else np.asarray(images[0], dtype=np.float32)
+    except Exception as error:  # reported, so the test can assert every rank raised the same
+        entry["error"] = f"{type(error).__name__}: {error}"
+    vae = getattr(pipe.pipe, "vae", None)
+    entry["vae_after_call"] = None if vae is None else type(vae).__name__
+    if pipe.follower_vae is not None:  # what a rank without a VAE read: no encoder or decoder weight
+        entry["follower_vae_real"] = sorted(n for n, t in pipe.follower_vae().state_dict().items() if not t.is_meta)
+    entry["encode_prompt_restored"] = "encode_prompt" not in vars(pipe.pipe)
+    return entry
+
+
+def leader_failure_check() -> str:
+    """A failure on the encoding rank (the leader) reaches every rank of the group."""
+    import torch.distributed as dist
+
+    from neuron_diffusers.pipelines.image_inputs import Group
 
     def fail():
         raise MemoryError("out of memory in the VAE")
 
     try:
         Group(dist.group.WORLD, None, torch.device("cpu")).share(fail)
-        report["leader_failure"] = "no error"
+        return "no error"
     except Exception as error:
-        report["leader_failure"] = f"{type(error).__name__}: {error}"
+        return f"{type(error).__name__}: {error}"
 
-    # A CFG pair of one-rank TP groups whose TP group computes itself (parallel VAE): CFG rank 0 computes, its
-    # partner receives over the pair and never computes.
+
+def pair_share_check() -> dict:
+    """A CFG pair of one-rank TP groups whose TP group computes itself (parallel VAE): CFG rank 0 computes, its
+    partner receives over the pair and never computes."""
+    import torch.distributed as dist
+
+    from neuron_diffusers.pipelines.image_inputs import Group
+
     own_tp = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
     computed = []
 
@@ -177,5 +202,4 @@ def image_tp_checks(checkpoints: dict, cases: dict) -> dict:
         return torch.full((2, 3), float(dist.get_rank() + 1)), None
 
     shared, nothing = Group(own_tp, dist.group.WORLD, torch.device("cpu"), tp_computes=True).share(compute)
-    report["pair_share"] = {"computed": computed, "shared": shared.tolist(), "none": nothing is None}
-    return report
+    return {"computed": computed, "shared": shared.tolist(), "none": nothing is None}

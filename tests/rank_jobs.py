@@ -45,29 +45,43 @@ def _shard_report(model, plan, tp) -> dict:
     return {"planned": len(specs), "wrong": wrong}
 
 
-def spine_checks(checkpoints: dict, calls: dict) -> dict:
-    """Everything the spine promises on 2 CPU ranks, in one spawn (each spawn costs seconds of imports)."""
-    import safetensors
-    from diffusers import TensorParallelConfig
+def mesh_shapes() -> dict:
+    """The meshes `init_distributed` builds on 2 ranks for tp=2 and tp=1."""
+    import neuron_diffusers as nd
+
+    mesh, dp_mesh = nd.init_distributed(tp=2), nd.init_distributed(tp=1)
+    return {"mesh": (mesh.mesh_dim_names, tuple(mesh.shape)),
+            "mesh_tp1": (dp_mesh.mesh_dim_names, tuple(dp_mesh.shape))}
+
+
+def tp2_load_check(checkpoint, call) -> dict:
+    """`from_pretrained(parallel_config=TP 2)`: the output's max difference to one process, and the planned shards."""
+    import neuron_diffusers as nd
+
+    cls, model = _load_tp(checkpoint, nd.init_distributed(tp=2)["tp"])
+    return {"diff": _max_diff(model, call), **_shard_report(model, cls._tp_plan, 2)}
+
+
+def enable_parallelism_diff(flux, call) -> float:
+    """`enable_parallelism` on a model already in memory: max difference to one process."""
+    from diffusers import FluxTransformer2DModel, TensorParallelConfig
 
     import neuron_diffusers as nd
 
-    report = {}
-    mesh = nd.init_distributed(tp=2)
-    report["mesh"] = (mesh.mesh_dim_names, tuple(mesh.shape))
-    dp_mesh = nd.init_distributed(tp=1)
-    report["mesh_tp1"] = (dp_mesh.mesh_dim_names, tuple(dp_mesh.shape))
-    tp_mesh = mesh["tp"]
+    model = FluxTransformer2DModel.from_pretrained(flux, subfolder="transformer")
+    model.enable_parallelism(config=TensorParallelConfig(mesh=nd.init_distributed(tp=2)["tp"]))
+    return _max_diff(model, call)
 
-    for family, checkpoint in checkpoints.items():
-        cls, model = _load_tp(checkpoint, tp_mesh)
-        report[family] = {"diff": _max_diff(model, calls[family]), **_shard_report(model, cls._tp_plan, 2)}
 
-    # `enable_parallelism` on a model already in memory, and all-or-nothing on failure.
+def enable_parallelism_rollback(flux, call) -> dict | str:
+    """`enable_parallelism` all-or-nothing: a failure at the third sharded module leaves the model as it was, and
+    enabling it again afterwards still matches one process (`diff_after`)."""
     import torch.distributed.tensor.parallel as tp_api
-    from diffusers import FluxTransformer2DModel
+    from diffusers import FluxTransformer2DModel, TensorParallelConfig
 
-    flux = checkpoints["flux"]
+    import neuron_diffusers as nd
+
+    tp_mesh = nd.init_distributed(tp=2)["tp"]
     model = FluxTransformer2DModel.from_pretrained(flux, subfolder="transformer")
     before = {name: id(p) for name, p in model.named_parameters()}
     stock_parallelize = tp_api.parallelize_module
@@ -82,9 +96,9 @@ def spine_checks(checkpoints: dict, calls: dict) -> dict:
     tp_api.parallelize_module = failing_parallelize
     try:
         model.enable_parallelism(config=TensorParallelConfig(mesh=tp_mesh))
-        report["rollback"] = "no failure raised"
+        return "no failure raised"
     except RuntimeError as error:
-        report["rollback"] = {
+        rollback = {
             "error": str(error),
             "sharded_before_failure": len(calls_made) - 1,
             "params_restored": {name: id(p) for name, p in model.named_parameters()} == before,
@@ -94,14 +108,22 @@ def spine_checks(checkpoints: dict, calls: dict) -> dict:
     finally:
         tp_api.parallelize_module = stock_parallelize
     model.enable_parallelism(config=TensorParallelConfig(mesh=tp_mesh))
-    report["enable_parallelism_diff"] = _max_diff(model, calls["flux"])
+    return {**rollback, "diff_after": _max_diff(model, call)}
 
-    # Bad meshes are rejected before a single weight is read.
-    class _UnsupportedMesh:
-        device_type, ndim = "mps", 1
 
-        def size(self):
-            return 2
+class _UnsupportedMesh:
+    device_type, ndim = "mps", 1
+
+    def size(self):
+        return 2
+
+
+def bad_mesh_rejections(flux) -> dict:
+    """Bad meshes (2-D, an unsupported device) are rejected before a single weight is read."""
+    import safetensors
+    from diffusers import FluxTransformer2DModel, TensorParallelConfig
+
+    import neuron_diffusers as nd
 
     def no_reads(*args, **kwargs):
         raise AssertionError("a weight was read before the mesh was checked")
@@ -110,7 +132,7 @@ def spine_checks(checkpoints: dict, calls: dict) -> dict:
     safetensors.safe_open = no_reads
     rejections = {}
     try:
-        for label, bad_mesh in (("2d", mesh), ("mps", _UnsupportedMesh())):
+        for label, bad_mesh in (("2d", nd.init_distributed(tp=2)), ("mps", _UnsupportedMesh())):
             try:
                 FluxTransformer2DModel.from_pretrained(
                     flux, subfolder="transformer", parallel_config=TensorParallelConfig(mesh=bad_mesh)
@@ -126,8 +148,7 @@ def spine_checks(checkpoints: dict, calls: dict) -> dict:
     except ValueError as error:
         rejections["enable_mps"] = str(error)
     rejections["enable_mps_untouched"] = plain._parallel_config is None
-    report["rejections"] = rejections
-    return report
+    return rejections
 
 
 def plan_checks(checkpoints: dict, calls: dict, checkpoint_missing_a_key) -> dict:
@@ -242,56 +263,75 @@ def _past_the_entry_check():
         CallEntry.enter = enter
 
 
-def runner_checks(checkpoints: dict, call_kwargs: dict) -> dict:
-    """`load_pipeline(...).generate(...)` at TP=2 for every family: outputs, who loaded what, divergence caught."""
-    import gc
+def _refusals(pipe, family: str, call: dict) -> dict:
+    """What `generate` says to inputs it owns (prompt embeddings, generator, latents) or cannot run."""
+    refused = {}
+    for name in ("prompt_embeds", "generator", "latents", "caption_upsample_temperature"):  # owned / cannot run
+        try:
+            pipe.generate("a red fox", **{name: None}, **call)
+            refused[name] = "accepted"
+        except ValueError as error:
+            refused[name] = str(error)
+    if family == "qwenimage":  # its schedule ends at shift_terminal: one step would be 0 / 0, refused up front
+        try:
+            pipe.generate("a red fox", **{**call, "num_inference_steps": 1})
+            refused["one_step"] = "accepted"
+        except ValueError as error:
+            refused["one_step"] = str(error)
+    return refused
 
+
+def _divergence(pipe, call: dict) -> str:
+    """A different seed per rank, past the entry check: the noise diverges across the group, and is caught."""
     import torch.distributed as dist
 
-    import neuron_diffusers as nd
     from neuron_diffusers.consistency import LatentsDivergedError
 
-    mesh = nd.init_distributed(tp=2)
-    report = {}
-    for family, checkpoint in checkpoints.items():
-        pipe = nd.load_pipeline(checkpoint, mesh)
-        outputs = pipe.generate("a red fox in the snow", seed=0, **call_kwargs[family])
-        result = {
-            "output": None if outputs is None else _as_arrays(outputs[0]),
-            "holds_encoder": pipe.encoder is not None,
-            "models_in_memory": _loaded_models(),
-        }
-        try:  # a different seed per rank, past the entry check: the noise diverges across the group
-            with _past_the_entry_check():
-                pipe.generate("a red fox in the snow", seed=dist.get_rank(), **call_kwargs[family])
-            result["divergence"] = "not caught"
-        except LatentsDivergedError as error:
-            result["divergence"] = str(error)
-        result["refused"] = {}
-        for name in ("prompt_embeds", "generator", "latents", "caption_upsample_temperature"):  # owned / cannot run
-            try:
-                pipe.generate("a red fox", **{name: None}, **call_kwargs[family])
-                result["refused"][name] = "accepted"
-            except ValueError as error:
-                result["refused"][name] = str(error)
-        if family == "qwenimage":  # its schedule ends at shift_terminal: one step would be 0 / 0, refused up front
-            try:
-                pipe.generate("a red fox", **{**call_kwargs[family], "num_inference_steps": 1})
-                result["refused"]["one_step"] = "accepted"
-            except ValueError as error:
-                result["refused"]["one_step"] = str(error)
-        report[family] = result
-        del pipe, outputs
-        gc.collect()
-    if "qwenimage21" in checkpoints:  # the lean plan by name: modulation sharded too, same image
-        from torch.distributed.tensor import DTensor
+    try:
+        with _past_the_entry_check():
+            pipe.generate("a red fox in the snow", seed=dist.get_rank(), **call)
+        return "not caught"
+    except LatentsDivergedError as error:
+        return str(error)
 
-        pipe = nd.load_pipeline(checkpoints["qwenimage21"], mesh, plan="lean")
-        outputs = pipe.generate("a red fox in the snow", seed=0, **call_kwargs["qwenimage21"])
-        modulation = pipe.adapter.transformer_of(pipe.pipe).modulation[1].weight
-        report["qwenimage21", "lean"] = {"output": None if outputs is None else _as_arrays(outputs[0]),
-                                         "modulation_sharded": isinstance(modulation, DTensor)}
+
+def runner_checks(family: str, checkpoint, call: dict) -> dict:
+    """`load_pipeline(...).generate(...)` at TP=2 for one family, one case a key (`rank_cases.record`): the output,
+    who loaded what, divergence caught, inputs refused. A case that raises fails only its own test."""
+    import gc
+
+    from rank_cases import CaseError, record
+
+    import neuron_diffusers as nd
+
+    report = {}
+    pipe = record(report, "load", nd.load_pipeline, checkpoint, nd.init_distributed(tp=2))
+    if isinstance(pipe, CaseError):  # every case reports the failed load
+        return dict.fromkeys(("output", "holds_encoder", "models_in_memory", "divergence", "refused"), pipe)
+    del report["load"]
+    outputs = record(report, "output", pipe.generate, "a red fox in the snow", seed=0, **call)
+    if outputs is not None and not isinstance(outputs, CaseError):  # only the TP leader returns images
+        record(report, "output", _as_arrays, outputs[0])
+    report["holds_encoder"] = pipe.encoder is not None
+    record(report, "models_in_memory", _loaded_models)
+    record(report, "divergence", _divergence, pipe, call)
+    record(report, "refused", _refusals, pipe, family, call)
+    del pipe, outputs
+    gc.collect()
     return report
+
+
+def runner_lean_check(checkpoint, call: dict) -> dict:
+    """The lean plan by name (Qwen-Image-2.1): modulation sharded too, same image."""
+    from torch.distributed.tensor import DTensor
+
+    import neuron_diffusers as nd
+
+    pipe = nd.load_pipeline(checkpoint, nd.init_distributed(tp=2), plan="lean")
+    outputs = pipe.generate("a red fox in the snow", seed=0, **call)
+    modulation = pipe.adapter.transformer_of(pipe.pipe).modulation[1].weight
+    return {"output": None if outputs is None else _as_arrays(outputs[0]),
+            "modulation_sharded": isinstance(modulation, DTensor)}
 
 
 def compile_checks(checkpoints: dict, call_kwargs: dict, load_kwargs: dict, prompts: list, backend: str,

@@ -8,7 +8,6 @@ from neuron_diffusers import families, tiny
 from neuron_diffusers.parallel import coalesce
 from neuron_diffusers.tools.bench import collectives as bench_collectives
 from neuron_diffusers.tools.plan.cases import reference_call
-from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 from neuron_diffusers.tp_plans import GatheredColwiseParallel, PartialRowwiseParallel
 
 #: Issue 8's ceilings at TP=2 and real depth: (all-reduces, all-gathers) per forward.
@@ -16,11 +15,10 @@ DUAL_STREAM = ("flux", "flux2", "qwenimage")
 CEILINGS = {"flux": (76, 1), "qwenimage": (120, 1), "flux2": (64, 1), "h3": (2 * (50 + 2), 1)}
 
 
-@pytest.fixture(scope="module")
-def checks(tiny_checkpoint):
-    checkpoints = {family: tiny_checkpoint(family) for family in tiny.FAMILIES}
-    calls = {family: reference_call(checkpoints[family], family) for family in tiny.FAMILIES}
-    return run_on_cpu_ranks(coalesce_jobs.coalesce_checks, 2, checkpoints, calls)
+def _run(rank_pool, tiny_checkpoint, job, family):
+    """`job(checkpoint, reference call)` for `family` on the session's 2 ranks; both ranks' results."""
+    checkpoint = tiny_checkpoint(family)
+    return rank_pool.run(job, 2, checkpoint, reference_call(checkpoint, family))
 
 
 #: All-gathers per forward of the default plan: one, of the gathered modulation; Qwen-Image-2.1's default is stock's
@@ -29,9 +27,8 @@ GATHERS = {"qwenimage21": 0}
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)
-def test_equals_stock_tp_and_one_process(checks, family):
-    for report in checks:
-        entry = report[family]
+def test_equals_stock_tp_and_one_process(rank_pool, tiny_checkpoint, family):
+    for entry in _run(rank_pool, tiny_checkpoint, coalesce_jobs.family_check, family):
         assert entry["vs_single"] < 1e-5
         # Stock TP; for MiniMax-H3 (no stock plan) ours with one collective per Linear, as stock would issue them.
         assert entry["vs_stock"] <= 1e-6, entry["vs_stock"]
@@ -41,32 +38,33 @@ def test_equals_stock_tp_and_one_process(checks, family):
         assert entry["stale"] == [], "hoisted outputs outlived the forward"
 
 
-def test_hoisted_linear_refuses_to_run_outside_the_forward(checks):
-    assert "cannot be called on its own" in checks[0]["called_alone"]
+def test_hoisted_linear_refuses_to_run_outside_the_forward(rank_pool, tiny_checkpoint):
+    assert "cannot be called on its own" in _run(rank_pool, tiny_checkpoint, coalesce_jobs.called_alone_check,
+                                                 "flux")[0]
 
 
-def test_a_third_attention_output_is_refused_not_dropped(checks):
-    for report in checks:
+def test_a_third_attention_output_is_refused_not_dropped(rank_pool, tiny_checkpoint):
+    for report in _run(rank_pool, tiny_checkpoint, coalesce_jobs.third_output_check, "flux"):
         assert "IP-Adapter" in report["ip_adapter"] and "returned 3 outputs" in report["ip_adapter"]
         assert report["after_error_stale"] == [] and report["after_error_diff"] < 1e-5
 
 
-def test_zero_cond_t_reads_half_the_batch(checks):
-    for report in checks:
-        assert report["zero_cond_t"]["diff"] < 1e-5
-        assert report["zero_cond_t"]["calls"]["all_gather"] == 1
+def test_zero_cond_t_reads_half_the_batch(rank_pool, tiny_checkpoint):
+    for report in _run(rank_pool, tiny_checkpoint, coalesce_jobs.zero_cond_check, "qwenimage"):
+        assert report["diff"] < 1e-5
+        assert report["calls"]["all_gather"] == 1
 
 
-def test_a_misdeclared_hoist_falls_back_to_its_own_gather_and_says_so(checks):
-    misdeclared = checks[0]["misdeclared"]
+def test_a_misdeclared_hoist_falls_back_to_its_own_gather_and_says_so(rank_pool, tiny_checkpoint):
+    misdeclared = _run(rank_pool, tiny_checkpoint, coalesce_jobs.misdeclared_check, "qwenimage")[0]
     assert misdeclared["diff"] < 1e-5
     blocks = 2  # tiny Qwen-Image: one extra gather per txt_mod call
     assert misdeclared["calls"]["all_gather"] == 1 + blocks
     assert any("txt_mod.1's input is not silu(time_text_embed output)" in w for w in misdeclared["warnings"])
 
 
-def test_failed_setup_restores_classes_and_hooks(checks):
-    for report in checks:
+def test_failed_setup_restores_classes_and_hooks(rank_pool, tiny_checkpoint):
+    for report in _run(rank_pool, tiny_checkpoint, coalesce_jobs.restore_check, "flux"):
         assert report["restored"] and report["restored_diff"] < 1e-5
 
 

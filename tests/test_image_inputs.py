@@ -1,10 +1,11 @@
 """Image-conditioned stock pipelines under TP give the stock single-process image, and what the transformer sees.
 
-One spawn (2 CPU ranks) runs every case through `load_pipeline(..., pipeline_class=...)` and `generate(image=...)`:
-FLUX.1 Kontext, img2img and inpainting from the tiny FLUX.1 folder, Qwen-Image-Edit-Plus with two input images,
-FLUX.2 with two reference images and Qwen-Image-2.1 with an input image at TP=2, and Qwen-Image-Edit-Plus with true
-CFG over a CFG pair (cfg=2), all with `parallel_vae=False` (one rank encodes); then Kontext and Qwen-Image-Edit-Plus
-with `parallel_vae=True` (every rank encodes and decodes a band). The stock references run in this process.
+Each case runs as its own job on the session's 2 CPU ranks (`rank_pool`), through `load_pipeline(...,
+pipeline_class=...)` and `generate(image=...)`: FLUX.1 Kontext, img2img and inpainting from the tiny FLUX.1 folder,
+Qwen-Image-Edit-Plus with two input images, FLUX.2 with two reference images and Qwen-Image-2.1 with an input image
+at TP=2, and Qwen-Image-Edit-Plus with true CFG over a CFG pair (cfg=2), all with `parallel_vae=False` (one rank
+encodes); then Kontext and Qwen-Image-Edit-Plus with `parallel_vae=True` (every rank encodes and decodes a band).
+The stock references run in this process.
 
 Besides the issue's pixel criterion (mean abs difference < 1/255), the transformer's first-call inputs are held to
 1e-5 (float32 rounding: the ranks run one thread, this process more, so convolutions sum in another order): on
@@ -16,11 +17,21 @@ inputs far more (and, for the vision-language encoders, the prompt embeddings to
 import numpy as np
 import pytest
 import torch
-from image_jobs import CASES, COMPARED, NEGATIVE, PROMPT, case_inputs, first_call_inputs, image_tp_checks, input_image
+from image_jobs import (
+    CASES,
+    COMPARED,
+    NEGATIVE,
+    PROMPT,
+    case_inputs,
+    first_call_inputs,
+    image_case_check,
+    input_image,
+    leader_failure_check,
+    pair_share_check,
+)
 
 from neuron_diffusers import tiny
 from neuron_diffusers.pipelines.qwenimage21 import QwenImage21Adapter
-from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 #: Classes whose vision-language text encoder reads the input images.
 READS_IMAGE = ("edit_plus", "qwenimage21", "edit_plus_cfg")
@@ -34,8 +45,16 @@ def checkpoints():
 
 
 @pytest.fixture(scope="module")
-def reports(checkpoints):
-    return run_on_cpu_ranks(image_tp_checks, 2, checkpoints, CASES, timeout_s=900)
+def case_reports(checkpoints, rank_pool):
+    """`case_reports(name)` → both ranks' entries of case `name`, one job a case (run on first use)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = rank_pool.run(image_case_check, 2, checkpoints, CASES[name], timeout_s=900)
+        return made[name]
+
+    return get
 
 
 _STOCK = {}  # (case without `parallel_vae`, first image) -> stock(): a parallel-VAE case has its twin's reference
@@ -64,8 +83,8 @@ def _stock(checkpoints, case, first_image=None):
 
 
 @pytest.mark.parametrize("name", COMPARED)
-def test_tp2_matches_the_stock_single_process_image_and_inputs(checkpoints, reports, name):
-    leader, other = reports[0][name], reports[1][name]
+def test_tp2_matches_the_stock_single_process_image_and_inputs(checkpoints, case_reports, name):
+    leader, other = case_reports(name)
     assert "error" not in leader and "error" not in other, (leader.get("error"), other.get("error"))
     case = CASES[name]
     if case.get("cfg"):  # a CFG pair at tp=1: both ranks are TP leaders, the pair's leader returns the image
@@ -91,43 +110,43 @@ def test_tp2_matches_the_stock_single_process_image_and_inputs(checkpoints, repo
         assert text_other.shape != text.shape or np.abs(text_other - text).max() > 1e-2
 
 
-def test_followers_hold_no_vae_weights_nor_encoder_and_the_pipeline_is_restored(reports):
-    for name in COMPARED:
-        leader, other = reports[0][name], reports[1][name]
-        assert leader["holds_vae"] and leader["holds_encoder"], name
-        assert leader["vae_after_call"].startswith("AutoencoderKL"), name
-        assert leader["encode_prompt_restored"] and other["encode_prompt_restored"], name
-        if CASES[name].get("parallel_vae"):  # every rank holds the VAE and encodes its band of every input image
-            assert other["holds_vae"] and not other["holds_encoder"], name
-            assert other["vae_encoder_calls"] == leader["vae_encoder_calls"] > 0, name
-        elif not CASES[name].get("cfg"):
-            assert leader["vae_encoder_calls"] > 0 and other["vae_encoder_calls"] == 0, name
-            assert not other["holds_vae"] and not other["holds_encoder"] and other["vae_after_call"] is None, name
-            real = other["follower_vae_real"]
-            assert not [n for n in real if n.startswith(("encoder.", "decoder."))], (name, real)
-            if name == "flux2":  # FLUX.2 normalises image latents with the VAE's batch-norm statistics on every rank
-                assert {"bn.running_mean", "bn.running_var"} <= set(real)
+@pytest.mark.parametrize("name", COMPARED)
+def test_followers_hold_no_vae_weights_nor_encoder_and_the_pipeline_is_restored(case_reports, name):
+    leader, other = case_reports(name)
+    assert leader["holds_vae"] and leader["holds_encoder"], name
+    assert leader["vae_after_call"].startswith("AutoencoderKL"), name
+    assert leader["encode_prompt_restored"] and other["encode_prompt_restored"], name
+    if CASES[name].get("parallel_vae"):  # every rank holds the VAE and encodes its band of every input image
+        assert other["holds_vae"] and not other["holds_encoder"], name
+        assert other["vae_encoder_calls"] == leader["vae_encoder_calls"] > 0, name
+    elif not CASES[name].get("cfg"):
+        assert leader["vae_encoder_calls"] > 0 and other["vae_encoder_calls"] == 0, name
+        assert not other["holds_vae"] and not other["holds_encoder"] and other["vae_after_call"] is None, name
+        real = other["follower_vae_real"]
+        assert not [n for n in real if n.startswith(("encoder.", "decoder."))], (name, real)
+        if name == "flux2":  # FLUX.2 normalises image latents with the VAE's batch-norm statistics on every rank
+            assert {"bn.running_mean", "bn.running_var"} <= set(real)
 
 
-def test_a_rank_given_another_image_fails_on_every_rank(reports):
-    entry_errors = [report["diverged"].get("entry_error", "") for report in reports]
+def test_a_rank_given_another_image_fails_on_every_rank(case_reports):
+    reports = case_reports("diverged")
+    entry_errors = [report.get("entry_error", "") for report in reports]
     assert entry_errors[0] == entry_errors[1] and "called `generate` with different arguments" in entry_errors[0]
-    errors = [report["diverged"].get("error", "") for report in reports]
+    errors = [report.get("error", "") for report in reports]
     assert all(error.startswith("ImageInputsDivergedError") for error in errors), errors
     assert all("image the VAE encodes" in error and "rank(s) [1]" in error for error in errors)
 
 
-def test_a_failure_on_the_encoding_rank_reaches_every_rank(reports):
-    leader, other = reports[0]["leader_failure"], reports[1]["leader_failure"]
+def test_a_failure_on_the_encoding_rank_reaches_every_rank(rank_pool):
+    leader, other = rank_pool.run(leader_failure_check, 2)
     assert leader == "MemoryError: out of memory in the VAE"
     assert other.startswith("LeaderFailedError") and "out of memory in the VAE" in other
 
 
-def test_a_tp_group_that_computes_itself_shares_over_the_cfg_pair_only(reports):
+def test_a_tp_group_that_computes_itself_shares_over_the_cfg_pair_only(rank_pool):
     """Parallel VAE on a CFG pair: CFG rank 0's TP group encodes (here one rank), its partner only receives."""
-    for report in reports:
-        assert report["pair_share"] == {"computed": [0] if report is reports[0] else [],
-                                        "shared": [[1.0] * 3] * 2, "none": True}
+    for rank, report in enumerate(rank_pool.run(pair_share_check, 2)):
+        assert report == {"computed": [0] if rank == 0 else [], "shared": [[1.0] * 3] * 2, "none": True}
 
 
 def test_the_cfg_case_uses_true_cfg():

@@ -1,10 +1,11 @@
 """Parallel VAE: decode and encode split over 2 ranks give the stock single-process result.
 
-One spawn (2 gloo ranks) runs every check: `load_pipeline(..., parallel_vae=True).generate(...)` at TP=2 against the
-stock pipeline alone in this process (FLUX.1 and Qwen-Image at 256x256, MiniMax-H3's video per frame), then each
-VAE alone, stock against parallel. Row-split VAEs are equal within float32 rounding (a band's convolution may
-accumulate in another order; GroupNorm statistics are combined from per-band moments); MiniMax-H3's clips are dealt
-out whole and blended by a sum with one non-zero term per element, so it is bit-exact without spatial tiles.
+Each test runs its own job on the session's 2 gloo ranks (`rank_pool`): `load_pipeline(..., parallel_vae=True)
+.generate(...)` at TP=2 against the stock pipeline alone in this process (FLUX.1 and Qwen-Image at 256x256,
+MiniMax-H3's video per frame), then each VAE alone, stock against parallel. Row-split VAEs are equal within float32
+rounding (a band's convolution may accumulate in another order; GroupNorm statistics are combined from per-band
+moments); MiniMax-H3's clips are dealt out whole and blended by a sum with one non-zero term per element, so it is
+bit-exact without spatial tiles.
 """
 
 import numpy as np
@@ -17,7 +18,6 @@ from neuron_diffusers import tiny
 from neuron_diffusers.compat.vae import vae_blocks
 from neuron_diffusers.parallel.vae import check_supported, resolve_parallel_vae
 from neuron_diffusers.parallel.vae_rows import RowGeometry, split_rows
-from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 ROUNDING = 1e-4  # max abs difference allowed for float32 rounding (outputs are O(1)); the issue's bar is 1/255 mean
 GENERATIONS = {"flux": {"height": 256, "width": 256, "num_inference_steps": 2},
@@ -39,20 +39,30 @@ CASES = {  # latents are 8x (16x for Qwen-Image-2.1 and MiniMax-H3) smaller than
 ROW_CASES = [case for case, spec in CASES.items() if spec["family"] != "h3"]
 
 
+def _generated(rank_pool, tiny_checkpoint, family, layout):
+    return rank_pool.run(vae_jobs.generation_check, 2, tiny_checkpoint(family), layout, GENERATIONS[family],
+                         timeout_s=1200)
+
+
 @pytest.fixture(scope="module")
-def reports(tiny_checkpoint):
-    checkpoints = {family: tiny_checkpoint(family) for family in {*GENERATIONS, *(c["family"] for c in CASES.values())}}
-    reports = run_on_cpu_ranks(vae_jobs.parallel_vae_checks, 2, checkpoints, GENERATIONS, CASES, CONTEXT_PARALLEL,
-                               timeout_s=1200)
-    return checkpoints, reports
+def vae_case(rank_pool, tiny_checkpoint):
+    """`vae_case(name)` → both ranks' results of VAE case `name`, one job a case (run on first use)."""
+    made = {}
+
+    def get(case):
+        if case not in made:
+            made[case] = rank_pool.run(vae_jobs.vae_case_check, 2, tiny_checkpoint(CASES[case]["family"]), CASES,
+                                       case, timeout_s=1200)
+        return made[case]
+
+    return get
 
 
 @pytest.mark.parametrize("layout", ["", "ulysses2 "], ids=["tp2", "ulysses2"])
 @pytest.mark.parametrize("family", ["flux", "qwenimage"])
-def test_parallel_vae_generate_gives_the_stock_image(reports, family, layout):
-    checkpoints, (leader, other) = reports
-    expected = stock_output(checkpoints[family], family, GENERATIONS[family])["image"]
-    generated = {rank: report[f"generate {layout}{family}"] for rank, report in enumerate((leader, other))}
+def test_parallel_vae_generate_gives_the_stock_image(rank_pool, tiny_checkpoint, family, layout):
+    expected = stock_output(tiny_checkpoint(family), family, GENERATIONS[family])["image"]
+    generated = dict(enumerate(_generated(rank_pool, tiny_checkpoint, family, layout)))
     image = generated[0]["output"]["image"]
     assert image.shape == expected.shape == (256, 256, 3)
     assert np.abs(image - expected).mean() < 1 / 255
@@ -63,50 +73,48 @@ def test_parallel_vae_generate_gives_the_stock_image(reports, family, layout):
 
 
 @pytest.mark.parametrize("layout", ["", "ulysses2 "], ids=["tp2", "ulysses2"])
-def test_parallel_vae_h3_video_matches_stock_per_frame(reports, layout):
-    checkpoints, (leader, other) = reports
-    expected = stock_output(checkpoints["h3"], "h3", GENERATIONS["h3"])
-    output = leader[f"generate {layout}h3"]["output"]
+def test_parallel_vae_h3_video_matches_stock_per_frame(rank_pool, tiny_checkpoint, layout):
+    expected = stock_output(tiny_checkpoint("h3"), "h3", GENERATIONS["h3"])
+    leader, other = _generated(rank_pool, tiny_checkpoint, "h3", layout)
+    output = leader["output"]
     assert output["frames"].shape == expected["frames"].shape
     per_frame = np.abs(output["frames"] - expected["frames"]).mean(axis=(1, 2, 3))  # frames: (T, C, H, W)
     assert per_frame.max() < 1 / 255
     assert np.abs(output["audio"] - expected["audio"]).mean() < 1 / 255
-    assert other[f"generate {layout}h3"]["output"] is None and other[f"generate {layout}h3"]["decode_calls"] > 0
+    assert other["output"] is None and other["decode_calls"] > 0
 
 
 @pytest.mark.parametrize("case", ROW_CASES)
-def test_row_split_decode_and_encode_equal_stock(reports, case):
-    _, ranks = reports
-    decode = ranks[0][case]["decode"]
+def test_row_split_decode_and_encode_equal_stock(vae_case, case):
+    ranks = vae_case(case)
+    decode = ranks[0]["decode"]
     assert decode["max"] < ROUNDING and decode["mean"] < 1e-5, f"{case} decode: {decode}"
-    for rank, report in enumerate(ranks):
-        result = report[case]
+    for rank, result in enumerate(ranks):
         assert result["encode"]["max"] < ROUNDING and result["encode"]["mean"] < 1e-5, f"{case} encode {rank}"
         assert result["same_posterior_on_every_rank"] and result["removed_is_stock"] and result["hooks_left"] == 0
 
 
-def test_naive_bands_would_fail_the_same_check(reports):
+def test_naive_bands_would_fail_the_same_check(vae_case):
     """Without halos and global norms the bands differ visibly: the check above can fail."""
-    assert reports[1][0]["flux"]["naive_bands"]["mean"] > 1 / 255
+    assert vae_case("flux")[0]["naive_bands"]["mean"] > 1 / 255
 
 
-def test_h3_tiles_take_turns_and_match_stock(reports):
-    _, ranks = reports
+def test_h3_tiles_take_turns_and_match_stock(vae_case):
+    ranks = vae_case("h3 tiles")
     # Each decode (encode) deals its calls (clips x tiles) out in turn, starting from rank 0.
-    first, second = (report["h3 tiles"]["calls_run"] for report in ranks)
+    first, second = (result["calls_run"] for result in ranks)
     assert second > 0 and 0 <= first - second <= 2
-    decode = ranks[0]["h3 tiles"]["decode"]  # corners blend 4 tiles: sums in another order
+    decode = ranks[0]["decode"]  # corners blend 4 tiles: sums in another order
     assert decode["worst_frame_mean"] < 1e-6 and decode["max"] < ROUNDING
-    for report in ranks:
-        result = report["h3 tiles"]
+    for result in ranks:
         assert result["encode"]["max"] < ROUNDING and result["same_posterior_on_every_rank"]
         assert result["removed_is_stock"] and result["hooks_left"] == 0
 
 
-def test_unknown_module_is_refused_and_vae_left_as_it_was(reports):
-    for report in reports[1]:
-        assert "nonlinearity (GELU)" in report["refusal"]["message"]
-        assert report["refusal"]["hooks_left"] == 0
+def test_unknown_module_is_refused_and_vae_left_as_it_was(rank_pool, tiny_checkpoint):
+    for refusal in rank_pool.run(vae_jobs.refusal_check, 2, tiny_checkpoint("flux")):
+        assert "nonlinearity (GELU)" in refusal["message"]
+        assert refusal["hooks_left"] == 0
 
 
 def test_split_rows_is_even_aligned_and_gives_the_remainder_to_the_last_rank():

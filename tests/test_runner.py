@@ -1,16 +1,17 @@
 """`load_pipeline(...).generate(...)` on 2 CPU ranks equals the stock single-process pipeline, for all five families.
 
-One spawn runs every family (each spawn costs seconds of imports); the stock references run in this process.
+One job a family on the session's pool of ranks (`rank_pool`), its cases recorded one by one (`rank_cases`), so a
+failure fails only the tests that read it; the stock references run in this process.
 """
 
 import numpy as np
 import pytest
 import rank_jobs
 import torch
+from rank_cases import case
 
 from neuron_diffusers import tiny
 from neuron_diffusers.checkpoint import resolve
-from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 FAMILIES = tiny.FAMILIES
 PROMPT = "a red fox in the snow"
@@ -33,22 +34,32 @@ def stock_output(checkpoint, family, call=None):
 
 
 @pytest.fixture(scope="module")
-def runner_report(tiny_checkpoint):
-    checkpoints = {family: tiny_checkpoint(family) for family in FAMILIES}
-    reports = run_on_cpu_ranks(rank_jobs.runner_checks, 2, checkpoints,
-                               {family: tiny.smallest_call(family) for family in FAMILIES}, timeout_s=600)
-    return checkpoints, reports
+def runner_reports(tiny_checkpoint, rank_pool):
+    """`runner_reports(family)` → both ranks' per-case reports of one job for that family (run on first use), so a
+    family whose load fails fails only its own tests, and a failing case only the test that reads it."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = rank_pool.run(rank_jobs.runner_checks, 2, family, tiny_checkpoint(family),
+                                         tiny.smallest_call(family), timeout_s=600)
+        return made[family]
+
+    return get
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, ("qwenimage21", "lean")])
-def test_tp2_generate_matches_stock_single_process(runner_report, family):
-    checkpoints, (leader, other) = runner_report
+def test_tp2_generate_matches_stock_single_process(tiny_checkpoint, rank_pool, runner_reports, family):
     name = family if isinstance(family, str) else family[0]
-    reference = stock_output(checkpoints[name], name)
-    output = leader[family]["output"]
+    reference = stock_output(tiny_checkpoint(name), name)
     if family == ("qwenimage21", "lean"):  # load_pipeline(plan="lean"): the modulation is sharded as well
-        assert leader[family]["modulation_sharded"] and other[family]["modulation_sharded"]
-    assert other[family]["output"] is None, "only the TP leader returns images"
+        leader, other = rank_pool.run(rank_jobs.runner_lean_check, 2, tiny_checkpoint(name),
+                                      tiny.smallest_call(name), timeout_s=600)
+        assert leader["modulation_sharded"] and other["modulation_sharded"]
+        output, other_output = leader["output"], other["output"]
+    else:
+        output, other_output = case(runner_reports(family), "output")
+    assert other_output is None, "only the TP leader returns images"
     assert output.keys() >= reference.keys()
     for name, expected in reference.items():
         assert output[name].shape == expected.shape, name
@@ -58,31 +69,29 @@ def test_tp2_generate_matches_stock_single_process(runner_report, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_only_the_leader_loads_the_text_encoder(runner_report, family):
-    _, (leader, other) = runner_report
-    assert leader[family]["holds_encoder"] and not other[family]["holds_encoder"]
-    assert any("Autoencoder" not in name for name in leader[family]["models_in_memory"])
+def test_only_the_leader_loads_the_text_encoder(runner_reports, family):
+    reports = runner_reports(family)
+    leader_holds, other_holds = case(reports, "holds_encoder")
+    assert leader_holds and not other_holds
+    leader, other = case(reports, "models_in_memory")
+    assert any("Autoencoder" not in name for name in leader)
     # Parallel VAE is on by default at TP > 1 (tests/test_parallel_vae.py): every rank holds the image (video) VAE,
     # and only the leader the small audio VAE of MiniMax-H3.
-    vaes = [name for name in leader[family]["models_in_memory"] if "Autoencoder" in name and "Audio" not in name]
-    assert vaes and other[family]["models_in_memory"] == vaes
+    vaes = [name for name in leader if "Autoencoder" in name and "Audio" not in name]
+    assert vaes and other == vaes
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_divergent_noise_is_caught_at_the_first_step(runner_report, family):
-    _, reports = runner_report
-    for report in reports:
-        message = report[family]["divergence"]
+def test_divergent_noise_is_caught_at_the_first_step(runner_reports, family):
+    for message in case(runner_reports(family), "divergence"):
         assert "Latents differ across the tensor-parallel group" in message, message
         assert "step 0" in message or "transformer call 0" in message, message
         assert "rank 1" in message and "seed" in message
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_inputs_generate_owns_or_cannot_run_are_refused_with_the_reason(runner_report, family):
-    _, reports = runner_report
-    for report in reports:
-        refused = report[family]["refused"]
+def test_inputs_generate_owns_or_cannot_run_are_refused_with_the_reason(runner_reports, family):
+    for refused in case(runner_reports(family), "refused"):
         assert "encodes each prompt once on the group leader" in refused["prompt_embeds"]
         assert "pass `seed`" in refused["generator"] and "same noise" in refused["latents"]
         assert "Upsample it beforehand" in refused["caption_upsample_temperature"]

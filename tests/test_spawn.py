@@ -29,3 +29,74 @@ def test_a_rank_that_dies_without_a_result_is_named_without_waiting_for_the_time
     # The message names the dead rank; waiting out the timeout would say "gave no result within 300 s".
     with pytest.raises(RuntimeError, match="rank 1 exited with code 3 without a result"):
         run_on_cpu_ranks(_rank_1_dies, 2, timeout_s=300)
+
+
+def _raise_on_rank(bad_rank):
+    import torch.distributed as dist
+
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"injected failure on rank {bad_rank}")
+    return "fine"
+
+
+def _pid():
+    import torch.distributed as dist
+
+    dist.barrier()  # the group still works
+    return os.getpid()
+
+
+def _hang_on_rank_1():
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    return "rank 0 done"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from neuron_diffusers.tools.spawn import RankPool
+
+    pool = RankPool(2, collective_timeout_s=60, failure_grace_s=3)
+    yield pool
+    pool.close()
+
+
+def test_a_pool_runs_jobs_on_the_same_ranks(pool):
+    assert pool.run(_rank_and_world) == [(0, 2), (1, 2)]
+    assert pool.run(_pid) == pool.run(_pid)
+
+
+def test_a_job_that_raises_reports_the_rank_and_leaves_the_pool_as_it_was(pool):
+    pids = pool.run(_pid)
+    with pytest.raises(RuntimeError, match="rank 1 failed:(.|\n)*ValueError: injected failure on rank 1"):
+        pool.run(_raise_on_rank, 1)
+    assert pool.run(_pid) == pids
+
+
+def test_a_rank_that_hangs_fails_its_job_and_the_next_job_gets_fresh_ranks(pool):
+    pids = pool.run(_pid)
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] gave no result within 5 s"):
+        pool.run(_hang_on_rank_1, timeout_s=5)
+    fresh = pool.run(_pid)
+    assert set(fresh).isdisjoint(pids)
+
+
+def test_a_rank_that_dies_fails_its_job_and_the_next_job_gets_fresh_ranks(pool):
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 3 without a result"):
+        pool.run(_rank_1_dies)
+    assert pool.run(_rank_and_world) == [(0, 2), (1, 2)]
+
+
+def test_a_case_that_raises_fails_only_the_test_that_reads_it():
+    from rank_cases import case, record
+
+    report = {}
+    record(report, "fine", lambda: 1)
+    record(report, "broken", lambda: 1 / 0)
+    assert case([report, report], "fine") == [1, 1]
+    with pytest.raises(pytest.fail.Exception, match="rank 0: case 'broken' raised:(.|\n)*ZeroDivisionError"):
+        case([report, report], "broken")

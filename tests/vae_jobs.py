@@ -1,9 +1,9 @@
-"""Parallel-VAE checks that run on spawned gloo ranks (module level, so `spawn` can import them): one spawn runs
-them all, generation through `load_pipeline` and the VAEs alone."""
+"""Parallel-VAE checks that run on gloo ranks (module level, so the rank pool can import them), one job a test:
+generation through `load_pipeline` and the VAEs alone."""
 
 from __future__ import annotations
 
-import time
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -94,27 +94,40 @@ def _generation(checkpoint, mesh, call: dict) -> dict:
             "models_in_memory": _loaded_models()}
 
 
-def parallel_vae_checks(checkpoints: dict, generations: dict, cases: dict, context_parallel: dict,
-                        seed: int = 0) -> dict:
-    """Every check on 2 ranks: `generate` with `parallel_vae=True` per family in `generations` at TP=2, and per
-    family in `context_parallel` at Ulysses=2 (the context-parallel ranks decode a piece too), then every VAE `case`
-    alone (stock vs parallel decode and encode), a naive split, and a refused module."""
+@contextlib.contextmanager
+def _one_thread():
+    """One intra-op thread for the job (as the checks were measured), restored after: the pool's rank runs more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def generation_check(checkpoint, layout: str, call: dict) -> dict:
+    """`generate` with `parallel_vae=True` at TP=2 (`layout` ""), or at Ulysses=2 ("ulysses2 ": the
+    context-parallel ranks decode a piece too)."""
     import neuron_diffusers as nd
 
-    torch.set_num_threads(1)
-    report, seconds = {}, {}
-    for layout, runs in (("", generations), ("ulysses2 ", context_parallel)):
+    with _one_thread():
         mesh = nd.init_distributed(tp=1, ulysses=2) if layout else nd.init_distributed(tp=2)
-        for family, call in runs.items():
-            start = time.process_time()
-            report[f"generate {layout}{family}"] = _generation(checkpoints[family], mesh, call)
-            seconds[f"generate {layout}{family}"] = time.process_time() - start
+        return _generation(checkpoint, mesh, call)
+
+
+def vae_case_check(checkpoint, cases: dict, name: str, seed: int = 0) -> dict:
+    """VAE case `name` alone (stock vs parallel decode and encode), on the inputs it drew when every case of `cases`
+    ran in order from one generator seeded `seed`."""
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, case in cases.items():
-            start = time.process_time()
-            report[name] = _vae_case(_load_vae(checkpoints[case["family"]]), case, generator)
-            seconds[name] = time.process_time() - start
-        report["refusal"] = _refusal(_load_vae(checkpoints["flux"]))
-    report["seconds"] = seconds
-    return report
+    for earlier, case in cases.items():
+        if earlier == name:
+            break
+        torch.randn(case["latent"], generator=generator)  # the draws of the cases before it
+        torch.rand(case["image"], generator=generator)
+    with _one_thread(), torch.no_grad():
+        return _vae_case(_load_vae(checkpoint), cases[name], generator)
+
+
+def refusal_check(flux) -> dict:
+    with _one_thread(), torch.no_grad():
+        return _refusal(_load_vae(flux))

@@ -116,3 +116,152 @@ def run_on_cpu_ranks(fn, world_size: int, *args, timeout_s: float = 300.0,
     if failures:
         raise RuntimeError("\n".join(failures))
     return [collected[r] for r in range(world_size)]
+
+
+def _pool_rank_main(rank, world_size, port, timeout_s, jobs, results) -> None:
+    """One rank of a `RankPool`: join the group once, then run jobs until the `None` sentinel, then leave as a job's
+    rank does (`leave_together`, `exit_process`)."""
+    import gc
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    try:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    except BaseException:
+        results.put((None, rank, False, traceback.format_exc()))
+        exit_process(1)
+    while (item := jobs.get()) is not None:
+        job, fn, args = item
+        try:
+            results.put((job, rank, True, pickle.dumps(fn(*args))))
+        except BaseException:  # reported to the parent; this rank takes the next job
+            results.put((job, rank, False, traceback.format_exc()))
+        gc.collect()  # the job's models go now, not while the next job counts what is in memory
+    results.close()
+    results.join_thread()
+    leave_together(min(timeout_s, _LEAVE_TIMEOUT_S))
+    exit_process(0)
+
+
+class RankPool:
+    """`world_size` gloo ranks spawned once and kept alive, which run jobs one at a time (`run`).
+
+    Spawning ranks costs seconds of imports each time; a test suite that submits many small jobs pays it once. A job
+    that raises on every rank leaves the pool as it was (each rank reports its traceback and takes the next job). A
+    job that leaves some rank behind (it died, hung, or had not answered `failure_grace_s` after a peer failed, so it
+    may be stuck in a collective) closes the pool: the next `run` starts fresh ranks. `collective_timeout_s` bounds
+    every collective of the ranks' process group.
+    """
+
+    def __init__(self, world_size: int, *, collective_timeout_s: float = 120.0, failure_grace_s: float = 10.0):
+        self.world_size = world_size
+        self.collective_timeout_s = collective_timeout_s
+        self.failure_grace_s = failure_grace_s
+        self._procs: list = []
+        self._jobs: list = []
+        self._results = None
+        self._next_job = 0
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(self.world_size)]
+        port = _free_port()
+        self._procs = [
+            ctx.Process(target=_pool_rank_main, daemon=True,
+                        args=(r, self.world_size, port, self.collective_timeout_s, self._jobs[r], self._results))
+            for r in range(self.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn, *args, timeout_s: float = 300.0) -> list:
+        """`fn(*args)` on every rank (the process group is up); the per-rank results in rank order.
+
+        Raises `RuntimeError` with each failing rank's traceback, or naming the ranks that died or gave no result
+        within `timeout_s`. `fn` must be importable (a module-level function).
+        """
+        if not self._procs:
+            self._start()
+        job, self._next_job = self._next_job, self._next_job + 1
+        for jobs in self._jobs:
+            jobs.put((job, fn, args))
+        collected, failures, complete = self._collect(job, timeout_s)
+        if not complete:
+            self._kill()  # a rank may be dead or stuck in a collective: fresh ranks for the next job
+        if failures:
+            raise RuntimeError("\n".join(failures))
+        return [collected[r] for r in range(self.world_size)]
+
+    def _collect(self, job: int, timeout_s: float) -> tuple[dict, list, bool]:
+        """Every rank's answer to `job`: (results by rank, failure messages, whether every rank answered)."""
+        collected, failures, reported = {}, [], set()
+        deadline = time.monotonic() + timeout_s
+        while len(reported) < self.world_size:
+            try:
+                answer, rank, ok, payload = self._results.get(timeout=1.0)
+            except queue.Empty:
+                problem = self._stalled(reported, failures, deadline, timeout_s)
+                if problem:
+                    failures.append(problem)
+                    return collected, failures, False
+                continue
+            if answer in (job, None):  # None: the rank could not join the process group
+                _record(rank, ok, payload, collected, failures, reported)
+                if failures:
+                    deadline = min(deadline, time.monotonic() + self.failure_grace_s)
+        return collected, failures, True
+
+    def _stalled(self, reported: set, failures: list, deadline: float, timeout_s: float) -> str | None:
+        """Why waiting longer is pointless (a rank died, or the deadline passed), or None."""
+        missing = sorted(set(range(self.world_size)) - reported)
+        dead = [r for r in missing if self._procs[r].exitcode is not None]
+        if dead:
+            return ", ".join(f"rank {r} exited with code {self._procs[r].exitcode} without a result" for r in dead)
+        if time.monotonic() > deadline:
+            grace = self.failure_grace_s
+            waited = f"within {grace:.0f} s of a failed peer" if failures else f"within {timeout_s:.0f} s"
+            return f"ranks {missing} gave no result {waited} (the pool restarts for the next job)"
+        return None
+
+    def _kill(self) -> None:
+        """End every rank now: one is dead or stuck, so the safe way out (`leave_together`) would only wait."""
+        for proc in self._procs:
+            proc.kill()
+            proc.join(timeout=5)
+        self._procs, self._jobs, self._results = [], [], None
+
+    def close(self) -> None:
+        """Stop the ranks the safe way (each leaves through `exit_process`); kill those that do not stop."""
+        for jobs in self._jobs:
+            try:
+                jobs.put(None)
+            except (OSError, ValueError):  # its queue is already closed
+                pass
+        for proc in self._procs:
+            proc.join(timeout=_LEAVE_TIMEOUT_S + 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs, self._jobs, self._results = [], [], None
+
+
+class RankPools:
+    """One `RankPool` per world size, started on first use: `pools.run(fn, world_size, *args, timeout_s=...)`."""
+
+    def __init__(self, **pool_options):
+        self._options = pool_options
+        self._pools: dict[int, RankPool] = {}
+
+    def run(self, fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
+        """`RankPool.run` on the pool of `world_size` ranks (same signature as `run_on_cpu_ranks`)."""
+        if world_size not in self._pools:
+            self._pools[world_size] = RankPool(world_size, **self._options)
+        return self._pools[world_size].run(fn, *args, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
