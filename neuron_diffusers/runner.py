@@ -34,7 +34,7 @@ import torch.distributed as dist
 from diffusers import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from .checkpoint import Checkpoint, resolve
+from .checkpoint import Checkpoint
 from .consistency import ENTRY_TIMEOUT_S, CallEntry, LatentAgreement, agree, raise_agreed, shareable
 from .distributed import (
     broadcast_from_leader,
@@ -49,12 +49,12 @@ from .distributed import (
     rank,
     replica_ranks,
 )
+from .launch import LaunchSpec, check_guidance, runner_mode, spec_for
 from .parallel import context
-from .parallel.cache import GroupCache, check_cache, enable_group_cache, group_cache_of, sum_counts
+from .parallel.cache import GroupCache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
-from .parallel.lora import FusedLoras, check_loras
+from .parallel.lora import FusedLoras
 from .parallel.patches import record_tp_plan, using_plan
-from .parallel.plan_variants import variant_plan
 from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
 from .pipelines.base import SizeLimits, check_seeds, check_text
@@ -310,11 +310,7 @@ class TPPipeline:
     def _negatives(self, negative_prompt, count: int) -> list:
         if negative_prompt is None:
             return [None] * count
-        if not self.adapter.takes_negative_prompt:
-            raise ValueError(
-                f"{self.adapter.pipeline_class} is guidance-distilled and takes no negative prompt: drop "
-                "`negative_prompt`."
-            )
+        check_guidance(self.adapter, {"`negative_prompt`": negative_prompt, "guidance": None, "true_cfg_scale": None})
         if not isinstance(negative_prompt, (str, list, tuple)):
             raise ValueError(f"`negative_prompt` must be a string or a list of strings, got {negative_prompt!r:.80}.")
         negatives = [negative_prompt] * count if isinstance(negative_prompt, str) else list(negative_prompt)
@@ -412,7 +408,7 @@ def _check_prebuilt(transformer: torch.nn.Module, checkpoint: Checkpoint, mesh: 
 
 
 def load_pipeline(
-    model: str | os.PathLike | Checkpoint,
+    model: str | os.PathLike | Checkpoint | LaunchSpec,
     mesh: DeviceMesh | None = None,
     torch_dtype: torch.dtype | None = None,
     *,
@@ -427,7 +423,8 @@ def load_pipeline(
 ) -> TPPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
-    `model` is a checkpoint folder, a Hub id, a tiny family name, or an already resolved `Checkpoint`. `mesh`
+    `model` is a checkpoint folder, a Hub id, a tiny family name, an already resolved `Checkpoint`, or a `LaunchSpec`
+    (`launch.plan_launch`: checked once, so nothing is checked here again; leave the keyword arguments out). `mesh`
     defaults to `init_distributed()` (all ranks in one TP group); a mesh with "ring" / "ulysses" dimensions
     (`init_distributed(ulysses=..., ring=...)`) adds context parallelism. Only the image group's leader loads the
     text encoder (on CPU) and the VAE; on a mesh with a `cfg` dimension each image group of a CFG pair has its own
@@ -466,70 +463,116 @@ def load_pipeline(
     group (no TP, no context parallelism: a prebuilt module cannot be streamed shard by shard) and an instance of the
     folder's transformer class; anything else is refused before any weight is read. It is moved to the mesh's device.
     """
-    checkpoint = resolve(model, pipeline_class)
-    tp_plan = variant_plan(checkpoint.family, plan)
-    if transformer is not None:
-        _check_prebuilt(transformer, checkpoint, mesh)
-    if cache is not None:
-        check_cache(cache, checkpoint.meta("transformer"))
-    loras = check_loras(checkpoint, loras)
-    adapter = checkpoint.adapter
-    mesh = init_distributed() if mesh is None else mesh
-    device = mesh_device(mesh)
-    image_group(mesh)  # created here, where every rank comes: creating it is a collective over the world
-    leader = is_tp_leader(mesh)
-    degree = context_degree(mesh)
-    mode = None
-    buckets = adapter.buckets if buckets is None else tuple(buckets)
-    if degree > 1:
-        # Qwen-Image-2.1's text is padded by its buckets alone: without them, any length (`ulysses_anything`).
-        text = "none" if adapter.cp_block_causal and not buckets else adapter.cp_text
-        mode = context.runner_mode(checkpoint.family.display_name, text, dim_size(mesh, "ulysses"),
-                                   dim_size(mesh, "ring"), cp_any_length, block_causal=adapter.cp_block_causal)
-        buckets = context.round_buckets(buckets, degree) if mode.pad else ()
-    # A degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is read
-    # (see `parallel/patches.py`).
-    parallel = _parallel_config(mesh, mode)
-    vae_min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"),
-                                          dim_size(mesh, "tp") * degree)
-    times = PhaseTimes()
-    with times.phase("load transformer (sharded)"):
-        if transformer is None:
-            with using_plan(checkpoint.transformer_class(), tp_plan):
-                transformer = checkpoint.transformer_class().from_pretrained(
-                    checkpoint.path, subfolder="transformer", dtype=torch_dtype, **parallel
-                )
-            record_tp_plan(transformer, tp_plan)
-        if not parallel:
-            transformer.to(device)
-    if cache is not None:
-        # After sharding (the hooks wrap the coalesced block forwards). The group is every rank that computes this
-        # transformer's forward: with context parallelism, the CP x TP group.
-        group = image_group(mesh)
-        enable_group_cache(transformer, cache, group if dist.get_world_size(group) > 1 else None)
-    with times.phase("load other components"):
-        encoder = adapter.load_encoder(checkpoint, torch_dtype) if leader else None
-        pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader,
-                                     helps_decode=vae_min_pixels is not None)
-        follower_vae = None
-        if not leader and vae_min_pixels is None and "image" in adapter.call_parameters():
-            dtype = torch_dtype or torch.float32
-            follower_vae = functools.cache(functools.partial(vae_without_coders, checkpoint, dtype))
-    handle = None
-    if vae_min_pixels is not None:
-        handle = enable_parallel_vae(adapter.vae(pipe), image_group(mesh), min_pixels=vae_min_pixels)
-    if mode is not None and mode.pad and not mode.any_length:
-        adapter.configure_context_parallel(pipe, degree)
-    # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
-    pipe.set_progress_bar_config(disable=rank() != 0)
-    # The leader loads more (text encoder, VAE) than the others: the group leaves together, so the first call's
-    # entry handshake measures how late a rank is to the call, not to the end of loading. (The image group only: a job
-    # gives a CFG pair's second group nothing to load when every request it has left is made by the first.)
-    CallEntry(replica_ranks(mesh, with_cfg=False), "load_pipeline", timeout_s=None).enter(
-        [checkpoint.source, str(torch_dtype)])
-    pipeline = TPPipeline(adapter, pipe, encoder, mesh, buckets, times, checkpoint=checkpoint, cp_mode=mode,
-                          follower_vae=follower_vae, size_limits=adapter.size_limits(checkpoint), parallel_vae=handle)
-    if loras:
-        with times.phase("fuse LoRAs"):
-            pipeline.set_loras(loras)
-    return pipeline
+    if isinstance(model, LaunchSpec):
+        spec = model  # checked by `launch.plan_launch`: nothing is checked again
+        torch_dtype = spec.torch_dtype if torch_dtype is None else torch_dtype
+    else:
+        spec = spec_for(model, torch_dtype=torch_dtype, pipeline_class=pipeline_class, buckets=buckets, loras=loras,
+                        cache=cache, cp_any_length=cp_any_length, parallel_vae=parallel_vae, plan=plan)
+        if transformer is not None:
+            _check_prebuilt(transformer, spec.checkpoint, mesh)
+    return _Recipe(spec, init_distributed() if mesh is None else mesh, torch_dtype).run(transformer)
+
+
+class _Recipe:
+    """`load_pipeline`'s steps, in the one order they work in: the transformer is sharded first (context parallelism
+    and the cache wrap the sharded module), the cache hooks wrap its coalesced block forwards, the other components
+    take the finished transformer, parallel VAE needs the loaded VAE, LoRAs fuse into the final shards, and compiling
+    (by the caller, `compile.compile_repeated_blocks`) comes last, over the fused weights."""
+
+    def __init__(self, spec: LaunchSpec, mesh: DeviceMesh, torch_dtype):
+        self.spec, self.mesh, self.torch_dtype = spec, mesh, torch_dtype
+        self.checkpoint, self.adapter = spec.checkpoint, spec.checkpoint.adapter
+        self.device = mesh_device(mesh)
+        image_group(mesh)  # created here, where every rank comes: creating it is a collective over the world
+        self.leader = is_tp_leader(mesh)
+        self.degree = context_degree(mesh)
+        self.times = PhaseTimes()
+
+    def run(self, transformer: torch.nn.Module | None) -> TPPipeline:
+        self.context_parallel_mode()
+        transformer = self.shard_transformer(transformer)
+        self.install_cache(transformer)
+        pipe, encoder, follower_vae = self.load_other_components(transformer)
+        handle = self.split_vae(pipe)
+        self.configure_context_parallel(pipe)
+        pipeline = self.assemble(pipe, encoder, follower_vae, handle)
+        self.fuse_loras(pipeline)
+        return pipeline
+
+    def context_parallel_mode(self) -> None:
+        """The text buckets and, under context parallelism, how it runs (padding rounded to the degree)."""
+        adapter, spec = self.adapter, self.spec
+        self.buckets = adapter.buckets if spec.buckets is None else tuple(spec.buckets)
+        self.mode = None
+        if self.degree > 1:
+            self.mode = runner_mode(self.checkpoint, self.buckets, dim_size(self.mesh, "ulysses"),
+                                    dim_size(self.mesh, "ring"), spec.cp_any_length)
+            self.buckets = context.round_buckets(self.buckets, self.degree) if self.mode.pad else ()
+        self.vae_min_pixels = resolve_parallel_vae(spec.parallel_vae, self.checkpoint.component_class_name("vae"),
+                                                   dim_size(self.mesh, "tp") * self.degree)
+
+    def shard_transformer(self, transformer: torch.nn.Module | None) -> torch.nn.Module:
+        """Each rank streams its own slice (TP over "tp", CP over "ring" x "ulysses"); a degree that does not divide
+        the heads is rejected by `from_pretrained` itself, before any weight is read (see `parallel/patches.py`)."""
+        parallel = _parallel_config(self.mesh, self.mode)
+        cls, tp_plan = self.checkpoint.transformer_class(), self.spec.tp_plan
+        with self.times.phase("load transformer (sharded)"):
+            if transformer is None:
+                with using_plan(cls, tp_plan):
+                    transformer = cls.from_pretrained(self.checkpoint.path, subfolder="transformer",
+                                                      dtype=self.torch_dtype, **parallel)
+                record_tp_plan(transformer, tp_plan)
+            if not parallel:
+                transformer.to(self.device)
+        return transformer
+
+    def install_cache(self, transformer: torch.nn.Module) -> None:
+        """After sharding (the hooks wrap the coalesced block forwards). The group is every rank that computes this
+        transformer's forward: with context parallelism, the CP x TP group."""
+        if self.spec.cache is not None:
+            group = image_group(self.mesh)
+            enable_group_cache(transformer, self.spec.cache, group if dist.get_world_size(group) > 1 else None)
+
+    def load_other_components(self, transformer: torch.nn.Module):
+        """The text encoder (leader only, CPU), the denoiser pipeline around the transformer, and on ranks without a
+        VAE what image inputs need of it."""
+        adapter, leader = self.adapter, self.leader
+        with self.times.phase("load other components"):
+            encoder = adapter.load_encoder(self.checkpoint, self.torch_dtype) if leader else None
+            pipe = adapter.load_denoiser(self.checkpoint, transformer, self.torch_dtype, self.device, decodes=leader,
+                                         helps_decode=self.vae_min_pixels is not None)
+            follower_vae = None
+            if not leader and self.vae_min_pixels is None and "image" in adapter.call_parameters():
+                dtype = self.torch_dtype or torch.float32
+                follower_vae = functools.cache(functools.partial(vae_without_coders, self.checkpoint, dtype))
+        return pipe, encoder, follower_vae
+
+    def split_vae(self, pipe) -> ParallelVAE | None:
+        if self.vae_min_pixels is None:
+            return None
+        return enable_parallel_vae(self.adapter.vae(pipe), image_group(self.mesh), min_pixels=self.vae_min_pixels)
+
+    def configure_context_parallel(self, pipe) -> None:
+        """Static splits: the family pads what it must (packed rows, text) to multiples of the degree."""
+        if self.mode is not None and self.mode.pad and not self.mode.any_length:
+            self.adapter.configure_context_parallel(pipe, self.degree)
+
+    def assemble(self, pipe, encoder, follower_vae, handle) -> TPPipeline:
+        """The `TPPipeline`, once the image group has finished loading together."""
+        # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
+        pipe.set_progress_bar_config(disable=rank() != 0)
+        # The leader loads more (text encoder, VAE) than the others: the group leaves together, so the first call's
+        # entry handshake measures how late a rank is to the call, not to the end of loading. (The image group only:
+        # a job gives a CFG pair's second group nothing to load when every request it has left is made by the first.)
+        CallEntry(replica_ranks(self.mesh, with_cfg=False), "load_pipeline", timeout_s=None).enter(
+            [self.checkpoint.source, str(self.torch_dtype)])
+        return TPPipeline(self.adapter, pipe, encoder, self.mesh, self.buckets, self.times,
+                          checkpoint=self.checkpoint, cp_mode=self.mode, follower_vae=follower_vae,
+                          size_limits=self.adapter.size_limits(self.checkpoint), parallel_vae=handle)
+
+    def fuse_loras(self, pipeline: TPPipeline) -> None:
+        """The LoRAs read at planning, fused into each rank's final shards (no file is read again)."""
+        if self.spec.loras:
+            with self.times.phase("fuse LoRAs"):
+                pipeline.set_loras(list(self.spec.loras))

@@ -422,15 +422,16 @@ class FusedLoras:
         return cls(adapter.transformer_of(pipe), lora_loader(adapter), encoder=encoder, groups=groups)
 
     def set(self, loras: Sequence) -> None:
-        """Make `loras` (specs, `(source, scale)` pairs or sources) the active set; `[]` restores the base weights.
+        """Make `loras` (specs, `(source, scale)` pairs, sources, or `LoadedLora`s) the active set; `[]` restores the
+        base weights.
 
         Reads and checks every LoRA first; the replica agrees before any weight changes, so a bad request raises the
         same `LoraError` on every rank and leaves the model (and the previous set) as it was.
         """
         loaded, new_text, error = [], [], None
         try:
-            specs = [LoraSpec.of(item) for item in loras]
-            loaded = [self._read(spec) for spec in specs]
+            loaded = [self._read(item) for item in loras]
+            specs = [lora.spec for lora in loaded]
             for lora in loaded:
                 for name in lora.factors:
                     self._layout(name)
@@ -457,9 +458,14 @@ class FusedLoras:
         self._activate_text()
         self._loaded, self.active = loaded, specs
 
-    def _read(self, spec: LoraSpec) -> LoadedLora:
-        """`read_lora` against this transformer; on the TP leader also the text part against its encoder."""
-        lora = read_lora(spec, self.loader, type(self.transformer), self.transformer.config)
+    def _read(self, item) -> LoadedLora:
+        """`read_lora` against this transformer (a `LoadedLora` read at planning is taken as it is: no file is read
+        again); on the TP leader also the text part against its encoder."""
+        if isinstance(item, LoadedLora):
+            lora, spec = item, item.spec
+        else:
+            spec = LoraSpec.of(item)
+            lora = read_lora(spec, self.loader, type(self.transformer), self.transformer.config)
         for name, model in self._text_encoders().items():
             part = {k.removeprefix(f"{name}."): v for k, v in lora.text_state_dict.items() if k.startswith(f"{name}.")}
             if part and all("lora_A" in k or "lora_B" in k for k in part):  # other layouts: stock converts and checks
