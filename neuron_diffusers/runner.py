@@ -157,11 +157,10 @@ class TPPipeline:
         check of the arguments runs on every rank, and a failure on one rank (the leader encodes and decodes) is
         raised on all of them: every rank raises the same exception, and the group stays usable for the next call.
 
-        Image `i` is denoised from a CPU generator seeded with `seed + i`, identical on every rank whatever its
-        device; the group's latents are compared at
-        the first and last step (and every `check_latents_every` steps), raising `LatentsDivergedError` on every
-        rank if they differ. `pipeline_kwargs` go to the stock pipeline call (height, width, num_inference_steps,
-        guidance_scale, true_cfg_scale, ...).
+        Image `i` is denoised from a CPU generator seeded with `seed + i`, identical on every rank; the group's latents
+        are compared at the first and last step (and every `check_latents_every` steps), raising
+        `LatentsDivergedError` on every rank if they differ. `pipeline_kwargs` go to the stock pipeline call
+        (height, width, num_inference_steps, guidance_scale, true_cfg_scale, ...).
 
         On a mesh with a `cfg` dimension (CFG pairs of TP groups), the images come back on the pair's leader (TP
         leader of CFG rank 0). With true CFG (a negative prompt and a `true_cfg_scale` above 1) both groups denoise
@@ -189,6 +188,19 @@ class TPPipeline:
         if joint:
             _check_cfg_parallel_kwargs(self.adapter, pipeline_kwargs)
         mine = range(len(prompts)) if joint or not pair else range(cfg_rank(self.mesh), len(prompts), 2)
+        outputs, error = self._make_mine(mine, prompts, negatives, seed, joint, check_latents_every, pipeline_kwargs,
+                                         image_kwargs)
+        if pair and not joint:  # the two groups made different images: the pair agrees before it exchanges them
+            error = agree(error, self.mesh["cfg"].get_group())
+        if error is not None:
+            raise error
+        if not pair:
+            return [outputs[i] for i in range(len(prompts))] if self.is_leader else None
+        return self._collect_pair(outputs, len(prompts), joint)
+
+    def _make_mine(self, mine, prompts, negatives, seed, joint, check_latents_every, pipeline_kwargs,
+                   image_kwargs) -> tuple[dict, Exception | None]:
+        """This group's images of the call (index -> output), and the first error, kept for the pair to agree on."""
         encode_kwargs = {k: pipeline_kwargs[k] for k in self.adapter.encode_kwargs if k in pipeline_kwargs}
         # A vision-language encoder that reads the image encodes inside the call, where the pipeline resized it.
         in_call = bool(image_kwargs) and reads_image(self.adapter.pipeline_cls())
@@ -201,13 +213,7 @@ class TPPipeline:
             raise
         except Exception as caught:
             error = caught
-        if pair and not joint:  # the two groups made different images: the pair agrees before it exchanges them
-            error = agree(error, self.mesh["cfg"].get_group())
-        if error is not None:
-            raise error
-        if not pair:
-            return [outputs[i] for i in range(len(prompts))] if self.is_leader else None
-        return self._collect_pair(outputs, len(prompts), joint)
+        return outputs, error
 
     def _check_call(self, prompts, seed, pipeline_kwargs: dict) -> list[str]:
         """Every check of a call's own arguments; it runs on every rank alike, so every rank raises the same error."""
@@ -442,13 +448,9 @@ def load_pipeline(
     folder's index names. A class built on another transformer, or needing a component the folder lacks, is refused
     before any weight is read. Ranks without a VAE keep its small non-encoder/decoder state for image inputs.
 
-    `plan` names the tensor-parallel plan: "default" (ours: no more collectives per forward than stock, then the least
-    memory per rank), "lean" (less memory for more collectives, where a family trades them: Qwen-Image-2.1) or
-    "stock" (diffusers' own); a name the family lacks is refused before any weight is read (`plan_variants.py`).
-
-    `cache` is a diffusers step-cache config (`FirstBlockCacheConfig`, `TaylorSeerCacheConfig`, `MagCacheConfig`),
-    installed with decisions shared by the image group (`parallel/cache.py`); it is tried on the meta-device transformer
-    before any weight is read.
+    `plan` names the tensor-parallel plan: "default" (no more collectives per forward than stock, then the least
+    memory), "lean" (less memory for more collectives: Qwen-Image-2.1) or "stock" (`plan_variants.py`). `cache` is a
+    diffusers step-cache config, installed with decisions shared by the image group (`parallel/cache.py`).
 
     `parallel_vae=True` loads the VAE on every rank of the image group (TP x ring x Ulysses) and splits each decode
     (and each encode of an input image) over the group, with the stock result within float32 rounding
@@ -457,11 +459,9 @@ def load_pipeline(
     MiniMax-H3 always, the others from 1024 x 1024). `True` with a VAE it cannot split is refused before any weight
     is read.
 
-    `transformer` is a prebuilt, unsharded transformer used instead of reading the folder's weights (`bench device`
-    builds a full-size one with random weights on the device: writing and reading a 12B-parameter checkpoint would
-    take longer than the benchmark). The folder then needs the transformer's config only. Only for a one-rank image
-    group (no TP, no context parallelism: a prebuilt module cannot be streamed shard by shard) and an instance of the
-    folder's transformer class; anything else is refused before any weight is read. It is moved to the mesh's device.
+    `transformer` is a prebuilt, unsharded transformer used instead of the folder's weights (`bench device`: a
+    full-size one with random weights), for a one-rank image group only and an instance of the folder's class;
+    anything else is refused before any weight is read. It is moved to the mesh's device.
     """
     if isinstance(model, LaunchSpec):
         spec = model  # checked by `launch.plan_launch`: nothing is checked again
