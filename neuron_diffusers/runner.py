@@ -413,6 +413,11 @@ def _check_prebuilt(transformer: torch.nn.Module, checkpoint: Checkpoint, mesh: 
                          "and no ulysses / ring dimension.")
 
 
+#: `load_pipeline`'s keyword arguments that a `LaunchSpec` holds, with their defaults.
+_FRONT_DEFAULTS = dict(pipeline_class=None, buckets=None, loras=[], cache=None, cp_any_length=False,
+                       parallel_vae=None, plan="default")
+
+
 def load_pipeline(
     model: str | os.PathLike | Checkpoint | LaunchSpec,
     mesh: DeviceMesh | None = None,
@@ -463,15 +468,25 @@ def load_pipeline(
     full-size one with random weights), for a one-rank image group only and an instance of the folder's class;
     anything else is refused before any weight is read. It is moved to the mesh's device.
     """
-    if isinstance(model, LaunchSpec):
-        spec = model  # checked by `launch.plan_launch`: nothing is checked again
-        torch_dtype = spec.torch_dtype if torch_dtype is None else torch_dtype
-    else:
-        spec = spec_for(model, torch_dtype=torch_dtype, pipeline_class=pipeline_class, buckets=buckets, loras=loras,
-                        cache=cache, cp_any_length=cp_any_length, parallel_vae=parallel_vae, plan=plan)
-        if transformer is not None:
-            _check_prebuilt(transformer, spec.checkpoint, mesh)
+    spec, torch_dtype = _spec(model, torch_dtype, dict(
+        pipeline_class=pipeline_class, buckets=buckets, loras=loras, cache=cache, cp_any_length=cp_any_length,
+        parallel_vae=parallel_vae, plan=plan))
+    if transformer is not None:
+        _check_prebuilt(transformer, spec.checkpoint, mesh)
     return _Recipe(spec, init_distributed() if mesh is None else mesh, torch_dtype).run(transformer)
+
+
+def _spec(model, torch_dtype, front: dict) -> tuple[LaunchSpec, torch.dtype | None]:
+    """A spec handed in (checked by `launch.plan_launch`: nothing is checked again), or one built from the keyword
+    arguments (`launch.spec_for`, which checks them)."""
+    if not isinstance(model, LaunchSpec):
+        return spec_for(model, torch_dtype=torch_dtype, **front), torch_dtype
+    given = sorted(name for name, value in front.items()
+                   if (list(value) if name == "loras" else value) != _FRONT_DEFAULTS[name])
+    if given:
+        raise ValueError(f"`load_pipeline` got a LaunchSpec and {', '.join(given)}: the spec already says them. Leave "
+                         "them out, or pass the model instead of a spec.")
+    return model, model.torch_dtype if torch_dtype is None else torch_dtype
 
 
 class _Recipe:
