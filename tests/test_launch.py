@@ -89,3 +89,17 @@ def test_each_lora_file_is_opened_once_per_rank_per_job(tmp_path, tiny_checkpoin
     assert opens == ["open"], opens
     summary = json.loads((out / "summary.json").read_text())
     assert summary["loras"][0]["scale"] == 0.5 and len(summary["loras"][0]["sha256"]) == 64
+
+
+def test_serve_plans_plan_cache_vae_and_mesh_order_with_the_jobs_checks(tiny_checkpoint):
+    pytest.importorskip("fastapi")
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_checkpoint("flux")), "--plan", "stock", "--cache", "first-block:0.1",
+                              "--no-parallel-vae", "--mesh-order", "tp-inner", "--port", "0"])
+    config = command.plan_server(args, 2, "cpu")
+    assert (config.launch.plan, config.launch.mesh_order, config.launch.parallel_vae) == ("stock", "tp-inner", False)
+    assert config.cache == "first-block:0.1" and config.launch.cache is not None and config.tp == 2
+    args.warmup = True  # --warmup without --compile: refused as the job refuses it
+    with pytest.raises(ValueError, match="--warmup compiles shapes up front"):
+        command.plan_server(args, 2, "cpu")
