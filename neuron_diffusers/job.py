@@ -21,6 +21,7 @@ into the request (so into the output's settings) and the output's metadata.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -35,27 +36,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from diffusers import MagCacheConfig
 from PIL import Image
 from tqdm.auto import tqdm
 
-from . import __version__, tiny
-from .checkpoint import Checkpoint, resolve
+from . import __version__
+from .checkpoint import Checkpoint
 from .cli import finite_float, positive_float, positive_int
-from .compile import (
-    compile_repeated_blocks,
-    compile_report,
-    compiled_block_classes,
-    resolve_backend,
-    warmup,
-)
+from .compile import compile_repeated_blocks, compile_report, warmup
 from .consistency import agree, raise_agreed, shareable
 from .distributed import (
-    MESH_ORDERS,
     broadcast_object_from_replica_leader,
     cfg_rank,
     check_cfg_degree,
     check_cp_degrees,
-    check_tp_degree,
     default_store,
     detect_runtime,
     image_group,
@@ -64,6 +58,17 @@ from .distributed import (
     is_replica_leader,
     is_tp_leader,
     leave_together,
+)
+from .launch import (
+    DTYPES as DTYPES,  # re-exported: `job.DTYPES` was its home
+)
+from .launch import (
+    LaunchSpec,
+    add_launch_arguments,
+    check_guidance,
+    default_size,
+    plan_launch,
+    runner_mode,
 )
 from .media import InputImage, remove_stale_temps, save_json
 from .outputs import (
@@ -78,15 +83,11 @@ from .outputs import (
     settings_key,
 )
 from .parallel import context
-from .parallel.cache import check_cache, parse_cache_spec
-from .parallel.lora import check_loras, parse_lora_option
-from .parallel.plan_variants import VARIANTS, variant_plan
+from .parallel.lora import parse_lora_option
 from .parallel.vae import resolve_parallel_vae
 from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs
 from .runner import check_context_parallel_call, load_pipeline
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale", "image",
               "mask", "strength"}
@@ -186,6 +187,8 @@ class JobPlan:
     #: `--parallel-vae` (True), `--no-parallel-vae` or no request the default would split (False), else None (the
     #: default per VAE class and image size, `load_pipeline`'s).
     parallel_vae: bool | None = None
+    #: The checked launch spec `load_pipeline` is handed (None: a plan built by hand; it is made from the fields).
+    launch: LaunchSpec | None = None
 
 
 def read_prompt_file(path: Path) -> list[dict]:
@@ -267,16 +270,10 @@ def _number(entry: dict, key: str, default):
 def _check_family_keys(entry: dict, adapter) -> None:
     """Per-line settings the family cannot take, refused with the line (the flags get the same checks in
     `plan_job`)."""
-    where, distilled = entry["_where"], f"{adapter.pipeline_class} is guidance-distilled"
-    if entry.get("negative_prompt") is not None and not adapter.takes_negative_prompt:
-        raise ValueError(f"{where}: {distilled} and takes no negative prompt: drop 'negative_prompt'.")
-    if "guidance" in entry and adapter.guidance_kwarg is None:
-        raise ValueError(f"{where}: {distilled}: drop 'guidance'.")
-    if "true_cfg_scale" in entry and not adapter.takes_negative_prompt:
-        raise ValueError(f"{where}: {distilled} and has no true CFG: drop 'true_cfg_scale'.")
-    if "true_cfg_scale" in entry and adapter.guidance_kwarg == "true_cfg_scale":
-        raise ValueError(f"{where}: for {adapter.pipeline_class}, 'guidance' sets true_cfg_scale: use 'guidance' "
-                         "instead of 'true_cfg_scale'.")
+    check_guidance(adapter, {"'negative_prompt'": entry.get("negative_prompt"),
+                             "'guidance'": True if "guidance" in entry else None,
+                             "'true_cfg_scale'": True if "true_cfg_scale" in entry else None},
+                   where=f"{entry['_where']}: ")
 
 
 def build_requests(entries: list[dict], *, seed: int, height: int, width: int, steps: int,
@@ -392,85 +389,85 @@ def settings_text(request: Request, *, model: str, pipeline: str, tp: int, dp: i
 
 
 def plan_job(args, world_size: int, device_type: str) -> JobPlan:
-    """Resolve and check everything a run needs, reading no weight and starting no process group."""
-    if args.warmup and not args.compile:
-        raise ValueError("--warmup compiles shapes up front, so it needs --compile [BACKEND].")
-    if args.compile:
-        resolve_backend(args.compile)
+    """Resolve and check everything a run needs, reading no weight and starting no process group: the shared
+    launch options once (`launch.plan_launch`), then the requests against them."""
     if (args.prompt is None) == (args.prompts is None):
         raise ValueError("Give exactly one of --prompt TEXT or --prompts FILE (.txt or .jsonl).")
     entries = ([{"prompt": args.prompt, "_where": "--prompt"}] if args.prompts is None
                else read_prompt_file(args.prompts))
     check_out_dir(args.out)
-    loras = [parse_lora_option(text) for text in args.lora]
-    cache = parse_cache_spec(args.cache, steps=args.steps) if args.cache else None
-    pairs = 2 if args.cfg_parallel else 1
-    cp = args.ulysses * args.ring
-    tp = args.tp or max(world_size // (pairs * cp), 1)
-    check_tp_degree(tp, world_size)
-    check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring)
-    checkpoint = resolve(args.model, args.pipeline)
-    checkpoint.check_safetensors()
-    checkpoint.check_heads(tp)
-    variant_plan(checkpoint.family, args.plan)
-    adapter = checkpoint.adapter
-    if cache is not None:
-        # Tried on the meta-device transformer (no weights), with the blocks `--compile` would compile.
-        meta = checkpoint.meta("transformer")
-        check_cache(cache, meta, compiled_block_classes(meta, adapter) if args.compile else None)
-    mode = context_mode(checkpoint, args.ulysses, args.ring, args.cp_any_length, compiled=bool(args.compile))
-    if args.negative_prompt is not None and not adapter.takes_negative_prompt:
-        raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and takes no negative prompt.")
-    if args.guidance is not None and adapter.guidance_kwarg is None:
-        raise ValueError(f"{adapter.pipeline_class} is guidance-distilled: drop --guidance.")
-    if args.true_cfg_scale is not None and not adapter.takes_negative_prompt:
-        raise ValueError(f"{adapter.pipeline_class} is guidance-distilled and has no true CFG: drop --true-cfg-scale.")
-    if args.true_cfg_scale is not None and adapter.guidance_kwarg == "true_cfg_scale":
-        raise ValueError(f"For {adapter.pipeline_class}, --guidance sets true_cfg_scale: use --guidance "
-                         f"{args.true_cfg_scale:g} instead of --true-cfg-scale.")
-    # A tiny model runs at its own small size unless told otherwise; a real one at 1024 x 1024.
-    tiny_model = args.model in tiny.NAMES
-    default_height, default_width = tiny.default_size(args.model) if tiny_model else (1024, 1024)
+    launch = plan_launch(args, world_size, device_type, steps=args.steps,
+                         loras=[parse_lora_option(text) for text in args.lora])
+    checkpoint, adapter = launch.checkpoint, launch.checkpoint.adapter
+    check_guidance(adapter, {"--negative-prompt": args.negative_prompt, "--guidance": args.guidance,
+                             "--true-cfg-scale": args.true_cfg_scale})
+    height, width = default_size(args.model)
     requests = build_requests(
-        entries, seed=args.seed, height=args.height or default_height, width=args.width or default_width,
+        entries, seed=args.seed, height=args.height or height, width=args.width or width,
         steps=args.steps, guidance=args.guidance, negative_prompt=args.negative_prompt,
         limits=adapter.size_limits(checkpoint), adapter=adapter, true_cfg_scale=args.true_cfg_scale,
-        max_pixels=args.max_pixels,
-        images=args.image, mask=args.mask, strength=args.strength,
+        max_pixels=args.max_pixels, images=args.image, mask=args.mask, strength=args.strength,
     )
+    _check_requests(requests, launch, world_size)
+    launch, true_cfg, notes = _settle_pairs(requests, launch, world_size)
+    launch = dataclasses.replace(launch, parallel_vae=_parallel_vae(requests, launch))
+    return _plan(args, launch, requests, true_cfg, notes, world_size)
+
+
+def _check_requests(requests: list[Request], launch: LaunchSpec, world_size: int) -> None:
+    """Each request against the launch: its image inputs, a MagCache schedule's steps, context-parallel splits."""
+    checkpoint, adapter, cache = launch.checkpoint, launch.checkpoint.adapter, launch.cache
     for request in requests:
         _check_image_inputs(request, adapter)
-    if type(cache).__name__ == "MagCacheConfig" and any(r.steps != cache.num_inference_steps for r in requests):
-        raise ValueError(f"--cache {args.cache}: MagCache's schedule is laid out for num_inference_steps="
+    if isinstance(cache, MagCacheConfig) and any(r.steps != cache.num_inference_steps for r in requests):
+        raise ValueError(f"--cache {launch.cache_text}: MagCache's schedule is laid out for num_inference_steps="
                          f"{cache.num_inference_steps}, and some requests run another number of steps. Give them all "
                          "the same steps, or run them as separate jobs.")
+    mode = context_mode(checkpoint, launch.ulysses, launch.ring, launch.cp_any_length, compiled=bool(launch.compile))
     if mode is not None and not mode.any_length:
         for request in requests:
             try:
-                check_context_parallel_call(adapter, checkpoint, call_kwargs(request, adapter), cp)
+                check_context_parallel_call(adapter, checkpoint, call_kwargs(request, adapter),
+                                            launch.ulysses * launch.ring)
             except ValueError as error:
                 raise ValueError(f"Request {request.index} ({request.height}x{request.width}): {error}") from None
-    true_cfg = frozenset(r.index for r in requests
-                         if adapter.uses_true_cfg(r.negative_prompt, call_kwargs(r, adapter)))
-    notes = []
+
+
+def _settle_pairs(requests: list[Request], launch: LaunchSpec, world_size: int) -> tuple[LaunchSpec, frozenset,
+                                                                                         list]:
+    """CFG pairs only where some request uses true CFG (else the cfg ranks run as data parallelism, with a note);
+    the mesh is checked once the pairs are known: a fallback runs on any world."""
+    adapter = launch.checkpoint.adapter
+    true_cfg = frozenset(r.index for r in requests if adapter.uses_true_cfg(r.negative_prompt,
+                                                                            call_kwargs(r, adapter)))
+    notes, pairs = [], launch.cfg
     if pairs > 1 and not true_cfg:
-        notes.append(_no_pairs_note(adapter, world_size, tp, cp))
+        notes.append(_no_pairs_note(adapter, world_size, launch.tp, launch.ulysses * launch.ring))
         pairs = 1
-    # Only once pairs are known to be needed: a fallback runs on any world.
-    check_mesh(checkpoint, world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs, mode=mode)
-    min_pixels = resolve_parallel_vae(args.parallel_vae, checkpoint.component_class_name("vae"), tp * cp)
-    parallel_vae = args.parallel_vae
-    if parallel_vae is None and min_pixels is not None and all(r.height * r.width < min_pixels for r in requests):
-        parallel_vae = False  # the default would split none of these: the other ranks need not hold the VAE
-    check_loras(checkpoint, loras)  # last, the slowest: each file read and checked against the transformer's config
-    dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
-    lora_records = [spec.record() for spec in loras]
-    model = model_identity(checkpoint.source)
-    # The pipeline class when not the index's own (img2img, Kontext...), and the LoRAs by content and scale.
-    own_class = checkpoint.pipeline_class == checkpoint.pipeline_class_name
-    job = {"pipeline": None if own_class else checkpoint.pipeline_class, "cache": args.cache,
-           "loras": [{"sha256": lora["sha256"], "scale": lora["scale"]} for lora in lora_records]}
-    keys = {r.index: settings_key(r, model=model, dtype=dtype, **job) for r in requests}
+    mode = context_mode(launch.checkpoint, launch.ulysses, launch.ring, launch.cp_any_length,
+                        compiled=bool(launch.compile))
+    check_mesh(launch.checkpoint, world_size, tp=launch.tp, ulysses=launch.ulysses, ring=launch.ring, cfg=pairs,
+               mode=mode)
+    return dataclasses.replace(launch, cfg=pairs), true_cfg, notes
+
+
+def _parallel_vae(requests: list[Request], launch: LaunchSpec) -> bool | None:
+    """`--parallel-vae` as given; by default False where no request is large enough for the default to split (the
+    other ranks then need not hold the VAE)."""
+    min_pixels = resolve_parallel_vae(launch.parallel_vae, launch.checkpoint.component_class_name("vae"),
+                                      launch.group)
+    if launch.parallel_vae is None and min_pixels is not None and all(r.height * r.width < min_pixels
+                                                                      for r in requests):
+        return False
+    return launch.parallel_vae
+
+
+def _plan(args, launch: LaunchSpec, requests: list[Request], true_cfg: frozenset, notes: list,
+          world_size: int) -> JobPlan:
+    """The settings keys, the folder's lock and what is already done: the `JobPlan`."""
+    checkpoint, adapter = launch.checkpoint, launch.checkpoint.adapter
+    lora_records = launch.lora_records()
+    keys = {r.index: output_key(r, checkpoint, launch.dtype, launch.cache_text, lora_records) for r in requests}
     job_digest = digest({"outputs": [digest(keys[r.index]) for r in requests]})
     check_unlocked(args.out, job_digest)
     done, broken = scan_outputs({r.index: args.out / r.file_name(adapter.output_suffix) for r in requests}, keys,
@@ -478,28 +475,27 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     if broken:
         notes.append(f"{len(broken)} incomplete output(s) (empty, truncated or not {adapter.output_suffix}) will be "
                      f"made again: {', '.join(path.name for path in broken[:5])}{' ...' if len(broken) > 5 else ''}")
-    return JobPlan(checkpoint, requests, args.out, tp, world_size, dtype,
-                   settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=pairs,
-                   true_cfg=true_cfg, notes=notes, keys=keys, done=done, job_digest=job_digest, loras=lora_records,
-                   cache=cache, ulysses=args.ulysses, ring=args.ring, cp_any_length=args.cp_any_length,
-                   mesh_order=args.mesh_order, parallel_vae=parallel_vae, tp_plan=args.plan)
+    return JobPlan(checkpoint, requests, args.out, launch.tp, world_size, launch.dtype,
+                   settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=launch.cfg,
+                   true_cfg=true_cfg, notes=notes, keys=keys, done=done, job_digest=job_digest,
+                   loras=lora_records, cache=launch.cache, ulysses=launch.ulysses, ring=launch.ring,
+                   cp_any_length=launch.cp_any_length, mesh_order=launch.mesh_order,
+                   parallel_vae=launch.parallel_vae, tp_plan=launch.plan, launch=launch)
+
+
+def output_key(request: Request, checkpoint: Checkpoint, dtype: str, cache: str | None, loras: list) -> dict:
+    """An output's settings key (`outputs.settings_key`), the one rule for the job and the server: the pipeline
+    class when not the index's own (img2img, Kontext...), the cache, and the LoRAs by content and scale."""
+    own_class = checkpoint.pipeline_class == checkpoint.pipeline_class_name
+    return settings_key(request, model=model_identity(checkpoint.source), dtype=dtype,
+                        pipeline=None if own_class else checkpoint.pipeline_class, cache=cache,
+                        loras=[{"sha256": lora["sha256"], "scale": lora["scale"]} for lora in loras])
 
 
 def context_mode(checkpoint: Checkpoint, ulysses: int, ring: int, any_length: bool, *,
                  compiled: bool) -> context.RunnerMode | None:
-    """How context parallelism runs this family (None without it), refusing `--compile` where that would be one of
-    diffusers' `*_anything` modes: any length means no static shapes, so every new length would recompile."""
-    if ulysses * ring == 1:
-        return None
-    name, adapter = checkpoint.family.display_name, checkpoint.adapter
-    mode = context.runner_mode(name, adapter.cp_text, ulysses, ring, any_length, block_causal=adapter.cp_block_causal)
-    if mode.any_length and compiled:
-        raise ValueError(
-            f"--compile with context parallelism needs static shapes, but {name} would run diffusers' "
-            f"{'ulysses' if mode.ulysses_anything else 'ring'}_anything mode here (any length, a host sync per "
-            "attention call). Drop --compile, or --cp-any-length / the ring + padding combination."
-        )
-    return mode
+    """How context parallelism runs this family (None without it): `launch.runner_mode` with the family's buckets."""
+    return runner_mode(checkpoint, checkpoint.adapter.buckets, ulysses, ring, any_length, compiled=compiled)
 
 
 def check_mesh(checkpoint: Checkpoint, world_size: int, *, tp: int, ulysses: int, ring: int, cfg: int,
@@ -638,9 +634,12 @@ def _run_locked(plan: JobPlan, mesh, overwrite: bool, compile_backend: str | Non
 
 def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compile_backend, warm: bool, dp: int):
     """Load, compile, and generate this TP group's `work`; returns the saved images' records and the phases."""
-    pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype),
-                         loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache,
-                         cp_any_length=plan.cp_any_length, parallel_vae=plan.parallel_vae, plan=plan.tp_plan)
+    if plan.launch is not None:
+        pipe = load_pipeline(plan.launch, mesh)
+    else:
+        pipe = load_pipeline(plan.checkpoint, mesh, torch_dtype=getattr(torch, plan.dtype),
+                             loras=[(lora["source"], lora["scale"]) for lora in plan.loras], cache=plan.cache,
+                             cp_any_length=plan.cp_any_length, parallel_vae=plan.parallel_vae, plan=plan.tp_plan)
     compile_start = time.perf_counter()
     if compile_backend:
         compile_repeated_blocks(pipe, backend=compile_backend)
@@ -796,57 +795,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--guidance", type=finite_float, default=None,
                         help="guidance scale (FLUX: guidance_scale; Qwen-Image / 2.1: true_cfg_scale)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tp", type=positive_int, default=None,
-                        help="tensor-parallel degree (default: all ranks; with --cfg-parallel half of them)")
-    parser.add_argument("--plan", choices=VARIANTS, default="default",
-                        help="tensor-parallel plan: default (no more collectives per forward than stock, then the "
-                             "least memory), lean (less memory per rank for more collectives: Qwen-Image-2.1) or "
-                             "stock (diffusers' own)")
-    parser.add_argument("--cfg-parallel", action="store_true",
-                        help="true CFG (negative prompt, scale > 1): compute cond and uncond on two TP groups at once; "
-                             "needs a multiple of 2 x tp ranks. Requests without true CFG use the pairs as data "
-                             "parallelism")
-    parser.add_argument("--ulysses", type=positive_int, default=1,
-                        help="context parallelism: split each image's sequence over N ranks with Ulysses all-to-all "
-                             "(tp x ulysses must divide the attention heads)")
-    parser.add_argument("--ring", type=positive_int, default=1,
-                        help="context parallelism: split each image's sequence over N ranks with ring attention")
-    parser.add_argument("--cp-any-length", action="store_true",
-                        help="with --ulysses or --ring: any image size and prompt length, exactly, in diffusers' "
-                             "*_anything modes (not with --compile)")
-    parser.add_argument("--mesh-order", choices=sorted(MESH_ORDERS), default="ulysses-inner",
-                        help="which ranks are neighbours under context parallelism: ulysses-inner (default: "
-                             "contiguous all-to-all groups, as Neuron needs) or tp-inner (TP all-reduces between "
-                             "neighbours)")
     parser.add_argument("--true-cfg-scale", type=finite_float, default=None,
                         help="FLUX.1's true CFG scale (with --negative-prompt); Qwen-Image / 2.1 take it from "
                              "--guidance")
-    parser.add_argument("--parallel-vae", action=argparse.BooleanOptionalAction, default=None,
-                        help="every rank of a TP group decodes (and encodes) one piece of each image, so none idles "
-                             "and the decode's memory is split; --no-parallel-vae: the TP leader decodes alone "
-                             "(default: MiniMax-H3 always, the others from 1024 x 1024 pixels, with tp > 1)")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     parser.add_argument("--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS,
                         help=f"refuse images larger than this many pixels (default {DEFAULT_MAX_PIXELS}, 2048 x 2048); "
                              "the model's own maximum size applies in any case")
     parser.add_argument("--steps", type=positive_int, default=4)
-    parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="default: bfloat16 on an accelerator, float32 on CPU")
-    parser.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
-                        help="a LoRA (.safetensors file, a folder holding one, or a Hub id) fused into every rank's "
-                             "shard at SCALE (default 1); repeat for several. One set for the whole job")
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds any collective may wait")
-    parser.add_argument("--compile", nargs="?", const="auto", default=None, metavar="BACKEND",
-                        help="compile the transformer's repeated blocks (default backend: neuron if present, else "
-                             "inductor)")
-    parser.add_argument("--cache", default=None, metavar="SPEC",
-                        help="step cache with decisions shared by each TP group: first-block:THRESHOLD, "
-                             "taylorseer:KEY=VALUE,... or mag:KEY=VALUE,... (diffusers' FirstBlockCacheConfig, "
-                             "TaylorSeerCacheConfig, MagCacheConfig fields)")
-    parser.add_argument("--warmup", action="store_true",
-                        help="with --compile: compile the requested size and every text-length bucket before "
-                             "generating")
+    add_launch_arguments(parser, lora_help="a LoRA (.safetensors file, a folder holding one, or a Hub id) fused into "
+                                           "every rank's shard at SCALE (default 1); repeat for several. One set for "
+                                           "the whole job")
 
 
 def _cp_text(plan: JobPlan) -> str:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from diffusers import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from .checkpoint import Checkpoint, resolve
+from .checkpoint import Checkpoint
 from .compat.plans import record_tp_plan, using_plan
 from .consistency import ENTRY_TIMEOUT_S, CallEntry, LatentAgreement, agree, raise_agreed, shareable
 from .distributed import (
@@ -50,11 +50,11 @@ from .distributed import (
     rank,
     replica_ranks,
 )
+from .launch import LaunchSpec, check_guidance, runner_mode, spec_for
 from .parallel import context
-from .parallel.cache import GroupCache, check_cache, enable_group_cache, group_cache_of, sum_counts
+from .parallel.cache import GroupCache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
-from .parallel.lora import FusedLoras, check_loras
-from .parallel.plan_variants import variant_plan
+from .parallel.lora import FusedLoras
 from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
 from .pipelines.base import SizeLimits, check_seeds, check_text
@@ -157,11 +157,10 @@ class TPPipeline:
         check of the arguments runs on every rank, and a failure on one rank (the leader encodes and decodes) is
         raised on all of them: every rank raises the same exception, and the group stays usable for the next call.
 
-        Image `i` is denoised from a CPU generator seeded with `seed + i`, identical on every rank whatever its
-        device; the group's latents are compared at
-        the first and last step (and every `check_latents_every` steps), raising `LatentsDivergedError` on every
-        rank if they differ. `pipeline_kwargs` go to the stock pipeline call (height, width, num_inference_steps,
-        guidance_scale, true_cfg_scale, ...).
+        Image `i` is denoised from a CPU generator seeded with `seed + i`, identical on every rank; the group's latents
+        are compared at the first and last step (and every `check_latents_every` steps), raising
+        `LatentsDivergedError` on every rank if they differ. `pipeline_kwargs` go to the stock pipeline call
+        (height, width, num_inference_steps, guidance_scale, true_cfg_scale, ...).
 
         On a mesh with a `cfg` dimension (CFG pairs of TP groups), the images come back on the pair's leader (TP
         leader of CFG rank 0). With true CFG (a negative prompt and a `true_cfg_scale` above 1) both groups denoise
@@ -189,6 +188,19 @@ class TPPipeline:
         if joint:
             _check_cfg_parallel_kwargs(self.adapter, pipeline_kwargs)
         mine = range(len(prompts)) if joint or not pair else range(cfg_rank(self.mesh), len(prompts), 2)
+        outputs, error = self._make_mine(mine, prompts, negatives, seed, joint, check_latents_every, pipeline_kwargs,
+                                         image_kwargs)
+        if pair and not joint:  # the two groups made different images: the pair agrees before it exchanges them
+            error = agree(error, self.mesh["cfg"].get_group())
+        if error is not None:
+            raise error
+        if not pair:
+            return [outputs[i] for i in range(len(prompts))] if self.is_leader else None
+        return self._collect_pair(outputs, len(prompts), joint)
+
+    def _make_mine(self, mine, prompts, negatives, seed, joint, check_latents_every, pipeline_kwargs,
+                   image_kwargs) -> tuple[dict, Exception | None]:
+        """This group's images of the call (index -> output), and the first error, kept for the pair to agree on."""
         encode_kwargs = {k: pipeline_kwargs[k] for k in self.adapter.encode_kwargs if k in pipeline_kwargs}
         # A vision-language encoder that reads the image encodes inside the call, where the pipeline resized it.
         in_call = bool(image_kwargs) and reads_image(self.adapter.pipeline_cls())
@@ -201,13 +213,7 @@ class TPPipeline:
             raise
         except Exception as caught:
             error = caught
-        if pair and not joint:  # the two groups made different images: the pair agrees before it exchanges them
-            error = agree(error, self.mesh["cfg"].get_group())
-        if error is not None:
-            raise error
-        if not pair:
-            return [outputs[i] for i in range(len(prompts))] if self.is_leader else None
-        return self._collect_pair(outputs, len(prompts), joint)
+        return outputs, error
 
     def _check_call(self, prompts, seed, pipeline_kwargs: dict) -> list[str]:
         """Every check of a call's own arguments; it runs on every rank alike, so every rank raises the same error."""
@@ -310,11 +316,7 @@ class TPPipeline:
     def _negatives(self, negative_prompt, count: int) -> list:
         if negative_prompt is None:
             return [None] * count
-        if not self.adapter.takes_negative_prompt:
-            raise ValueError(
-                f"{self.adapter.pipeline_class} is guidance-distilled and takes no negative prompt: drop "
-                "`negative_prompt`."
-            )
+        check_guidance(self.adapter, {"`negative_prompt`": negative_prompt, "guidance": None, "true_cfg_scale": None})
         if not isinstance(negative_prompt, (str, list, tuple)):
             raise ValueError(f"`negative_prompt` must be a string or a list of strings, got {negative_prompt!r:.80}.")
         negatives = [negative_prompt] * count if isinstance(negative_prompt, str) else list(negative_prompt)
@@ -411,8 +413,13 @@ def _check_prebuilt(transformer: torch.nn.Module, checkpoint: Checkpoint, mesh: 
                          "and no ulysses / ring dimension.")
 
 
+#: `load_pipeline`'s keyword arguments that a `LaunchSpec` holds, with their defaults.
+_FRONT_DEFAULTS = dict(pipeline_class=None, buckets=None, loras=[], cache=None, cp_any_length=False,
+                       parallel_vae=None, plan="default")
+
+
 def load_pipeline(
-    model: str | os.PathLike | Checkpoint,
+    model: str | os.PathLike | Checkpoint | LaunchSpec,
     mesh: DeviceMesh | None = None,
     torch_dtype: torch.dtype | None = None,
     *,
@@ -427,7 +434,8 @@ def load_pipeline(
 ) -> TPPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
-    `model` is a checkpoint folder, a Hub id, a tiny family name, or an already resolved `Checkpoint`. `mesh`
+    `model` is a checkpoint folder, a Hub id, a tiny family name, an already resolved `Checkpoint`, or a `LaunchSpec`
+    (`launch.plan_launch`: checked once, so nothing is checked here again; leave the keyword arguments out). `mesh`
     defaults to `init_distributed()` (all ranks in one TP group); a mesh with "ring" / "ulysses" dimensions
     (`init_distributed(ulysses=..., ring=...)`) adds context parallelism. Only the image group's leader loads the
     text encoder (on CPU) and the VAE; on a mesh with a `cfg` dimension each image group of a CFG pair has its own
@@ -445,13 +453,9 @@ def load_pipeline(
     folder's index names. A class built on another transformer, or needing a component the folder lacks, is refused
     before any weight is read. Ranks without a VAE keep its small non-encoder/decoder state for image inputs.
 
-    `plan` names the tensor-parallel plan: "default" (ours: no more collectives per forward than stock, then the least
-    memory per rank), "lean" (less memory for more collectives, where a family trades them: Qwen-Image-2.1) or
-    "stock" (diffusers' own); a name the family lacks is refused before any weight is read (`plan_variants.py`).
-
-    `cache` is a diffusers step-cache config (`FirstBlockCacheConfig`, `TaylorSeerCacheConfig`, `MagCacheConfig`),
-    installed with decisions shared by the image group (`parallel/cache.py`); it is tried on the meta-device transformer
-    before any weight is read.
+    `plan` names the tensor-parallel plan: "default" (no more collectives per forward than stock, then the least
+    memory), "lean" (less memory for more collectives: Qwen-Image-2.1) or "stock" (`plan_variants.py`). `cache` is a
+    diffusers step-cache config, installed with decisions shared by the image group (`parallel/cache.py`).
 
     `parallel_vae=True` loads the VAE on every rank of the image group (TP x ring x Ulysses) and splits each decode
     (and each encode of an input image) over the group, with the stock result within float32 rounding
@@ -460,76 +464,130 @@ def load_pipeline(
     MiniMax-H3 always, the others from 1024 x 1024). `True` with a VAE it cannot split is refused before any weight
     is read.
 
-    `transformer` is a prebuilt, unsharded transformer used instead of reading the folder's weights (`bench device`
-    builds a full-size one with random weights on the device: writing and reading a 12B-parameter checkpoint would
-    take longer than the benchmark). The folder then needs the transformer's config only. Only for a one-rank image
-    group (no TP, no context parallelism: a prebuilt module cannot be streamed shard by shard) and an instance of the
-    folder's transformer class; anything else is refused before any weight is read. It is moved to the mesh's device.
+    `transformer` is a prebuilt, unsharded transformer used instead of the folder's weights (`bench device`: a
+    full-size one with random weights), for a one-rank image group only and an instance of the folder's class;
+    anything else is refused before any weight is read. It is moved to the mesh's device.
     """
-    checkpoint = resolve(model, pipeline_class)
-    tp_plan = variant_plan(checkpoint.family, plan)
+    spec, torch_dtype = _spec(model, torch_dtype, dict(
+        pipeline_class=pipeline_class, buckets=buckets, loras=loras, cache=cache, cp_any_length=cp_any_length,
+        parallel_vae=parallel_vae, plan=plan))
     if transformer is not None:
-        _check_prebuilt(transformer, checkpoint, mesh)
-    if cache is not None:
-        check_cache(cache, checkpoint.meta("transformer"))
-    loras = check_loras(checkpoint, loras)
-    adapter = checkpoint.adapter
-    mesh = init_distributed() if mesh is None else mesh
-    device = mesh_device(mesh)
-    image_group(mesh)  # created here, where every rank comes: creating it is a collective over the world
-    leader = is_tp_leader(mesh)
-    degree = context_degree(mesh)
-    mode = None
-    buckets = adapter.buckets if buckets is None else tuple(buckets)
-    if degree > 1:
-        # Qwen-Image-2.1's text is padded by its buckets alone: without them, any length (`ulysses_anything`).
-        text = "none" if adapter.cp_block_causal and not buckets else adapter.cp_text
-        mode = context.runner_mode(checkpoint.family.display_name, text, dim_size(mesh, "ulysses"),
-                                   dim_size(mesh, "ring"), cp_any_length, block_causal=adapter.cp_block_causal)
-        buckets = context.round_buckets(buckets, degree) if mode.pad else ()
-    # A degree that does not divide the heads is rejected by `from_pretrained` itself, before any weight is read
-    # (see `compat/`).
-    parallel = _parallel_config(mesh, mode)
-    vae_min_pixels = resolve_parallel_vae(parallel_vae, checkpoint.component_class_name("vae"),
-                                          dim_size(mesh, "tp") * degree)
-    times = PhaseTimes()
-    with times.phase("load transformer (sharded)"):
-        if transformer is None:
-            with using_plan(checkpoint.transformer_class(), tp_plan):
-                transformer = checkpoint.transformer_class().from_pretrained(
-                    checkpoint.path, subfolder="transformer", dtype=torch_dtype, **parallel
-                )
-            record_tp_plan(transformer, tp_plan)
-        if not parallel:
-            transformer.to(device)
-    if cache is not None:
-        # After sharding (the hooks wrap the coalesced block forwards). The group is every rank that computes this
-        # transformer's forward: with context parallelism, the CP x TP group.
-        group = image_group(mesh)
-        enable_group_cache(transformer, cache, group if dist.get_world_size(group) > 1 else None)
-    with times.phase("load other components"):
-        encoder = adapter.load_encoder(checkpoint, torch_dtype) if leader else None
-        pipe = adapter.load_denoiser(checkpoint, transformer, torch_dtype, device, decodes=leader,
-                                     helps_decode=vae_min_pixels is not None)
-        follower_vae = None
-        if not leader and vae_min_pixels is None and "image" in adapter.call_parameters():
-            dtype = torch_dtype or torch.float32
-            follower_vae = functools.cache(functools.partial(vae_without_coders, checkpoint, dtype))
-    handle = None
-    if vae_min_pixels is not None:
-        handle = enable_parallel_vae(adapter.vae(pipe), image_group(mesh), min_pixels=vae_min_pixels)
-    if mode is not None and mode.pad and not mode.any_length:
-        adapter.configure_context_parallel(pipe, degree)
-    # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
-    pipe.set_progress_bar_config(disable=rank() != 0)
-    # The leader loads more (text encoder, VAE) than the others: the group leaves together, so the first call's
-    # entry handshake measures how late a rank is to the call, not to the end of loading. (The image group only: a job
-    # gives a CFG pair's second group nothing to load when every request it has left is made by the first.)
-    CallEntry(replica_ranks(mesh, with_cfg=False), "load_pipeline", timeout_s=None).enter(
-        [checkpoint.source, str(torch_dtype)])
-    pipeline = TPPipeline(adapter, pipe, encoder, mesh, buckets, times, checkpoint=checkpoint, cp_mode=mode,
-                          follower_vae=follower_vae, size_limits=adapter.size_limits(checkpoint), parallel_vae=handle)
-    if loras:
-        with times.phase("fuse LoRAs"):
-            pipeline.set_loras(loras)
-    return pipeline
+        _check_prebuilt(transformer, spec.checkpoint, mesh)
+    return _Recipe(spec, init_distributed() if mesh is None else mesh, torch_dtype).run(transformer)
+
+
+def _spec(model, torch_dtype, front: dict) -> tuple[LaunchSpec, torch.dtype | None]:
+    """A spec handed in (checked by `launch.plan_launch`: nothing is checked again), or one built from the keyword
+    arguments (`launch.spec_for`, which checks them)."""
+    if not isinstance(model, LaunchSpec):
+        return spec_for(model, torch_dtype=torch_dtype, **front), torch_dtype
+    given = sorted(name for name, value in front.items()
+                   if (list(value) if name == "loras" else value) != _FRONT_DEFAULTS[name])
+    if given:
+        raise ValueError(f"`load_pipeline` got a LaunchSpec and {', '.join(given)}: the spec already says them. Leave "
+                         "them out, or pass the model instead of a spec.")
+    return model, model.torch_dtype if torch_dtype is None else torch_dtype
+
+
+class _Recipe:
+    """`load_pipeline`'s steps, in the one order they work in: the transformer is sharded first (context parallelism
+    and the cache wrap the sharded module), the cache hooks wrap its coalesced block forwards, the other components
+    take the finished transformer, parallel VAE needs the loaded VAE, LoRAs fuse into the final shards, and compiling
+    (by the caller, `compile.compile_repeated_blocks`) comes last, over the fused weights."""
+
+    def __init__(self, spec: LaunchSpec, mesh: DeviceMesh, torch_dtype):
+        self.spec, self.mesh, self.torch_dtype = spec, mesh, torch_dtype
+        self.checkpoint, self.adapter = spec.checkpoint, spec.checkpoint.adapter
+        self.device = mesh_device(mesh)
+        image_group(mesh)  # created here, where every rank comes: creating it is a collective over the world
+        self.leader = is_tp_leader(mesh)
+        self.degree = context_degree(mesh)
+        self.times = PhaseTimes()
+
+    def run(self, transformer: torch.nn.Module | None) -> TPPipeline:
+        self.context_parallel_mode()
+        transformer = self.shard_transformer(transformer)
+        self.install_cache(transformer)
+        pipe, encoder, follower_vae = self.load_other_components(transformer)
+        handle = self.split_vae(pipe)
+        self.configure_context_parallel(pipe)
+        pipeline = self.assemble(pipe, encoder, follower_vae, handle)
+        self.fuse_loras(pipeline)
+        return pipeline
+
+    def context_parallel_mode(self) -> None:
+        """The text buckets and, under context parallelism, how it runs (padding rounded to the degree)."""
+        adapter, spec = self.adapter, self.spec
+        self.buckets = adapter.buckets if spec.buckets is None else tuple(spec.buckets)
+        self.mode = None
+        if self.degree > 1:
+            self.mode = runner_mode(self.checkpoint, self.buckets, dim_size(self.mesh, "ulysses"),
+                                    dim_size(self.mesh, "ring"), spec.cp_any_length)
+            self.buckets = context.round_buckets(self.buckets, self.degree) if self.mode.pad else ()
+        self.vae_min_pixels = resolve_parallel_vae(spec.parallel_vae, self.checkpoint.component_class_name("vae"),
+                                                   dim_size(self.mesh, "tp") * self.degree)
+
+    def shard_transformer(self, transformer: torch.nn.Module | None) -> torch.nn.Module:
+        """Each rank streams its own slice (TP over "tp", CP over "ring" x "ulysses"); a degree that does not divide
+        the heads is rejected by `from_pretrained` itself, before any weight is read (see `compat/`)."""
+        parallel = _parallel_config(self.mesh, self.mode)
+        cls, tp_plan = self.checkpoint.transformer_class(), self.spec.tp_plan
+        with self.times.phase("load transformer (sharded)"):
+            if transformer is None:
+                with using_plan(cls, tp_plan):
+                    transformer = cls.from_pretrained(self.checkpoint.path, subfolder="transformer",
+                                                      dtype=self.torch_dtype, **parallel)
+                record_tp_plan(transformer, tp_plan)
+            if not parallel:
+                transformer.to(self.device)
+        return transformer
+
+    def install_cache(self, transformer: torch.nn.Module) -> None:
+        """After sharding (the hooks wrap the coalesced block forwards). The group is every rank that computes this
+        transformer's forward: with context parallelism, the CP x TP group."""
+        if self.spec.cache is not None:
+            group = image_group(self.mesh)
+            enable_group_cache(transformer, self.spec.cache, group if dist.get_world_size(group) > 1 else None)
+
+    def load_other_components(self, transformer: torch.nn.Module):
+        """The text encoder (leader only, CPU), the denoiser pipeline around the transformer, and on ranks without a
+        VAE what image inputs need of it."""
+        adapter, leader = self.adapter, self.leader
+        with self.times.phase("load other components"):
+            encoder = adapter.load_encoder(self.checkpoint, self.torch_dtype) if leader else None
+            pipe = adapter.load_denoiser(self.checkpoint, transformer, self.torch_dtype, self.device, decodes=leader,
+                                         helps_decode=self.vae_min_pixels is not None)
+            follower_vae = None
+            if not leader and self.vae_min_pixels is None and "image" in adapter.call_parameters():
+                dtype = self.torch_dtype or torch.float32
+                follower_vae = functools.cache(functools.partial(vae_without_coders, self.checkpoint, dtype))
+        return pipe, encoder, follower_vae
+
+    def split_vae(self, pipe) -> ParallelVAE | None:
+        if self.vae_min_pixels is None:
+            return None
+        return enable_parallel_vae(self.adapter.vae(pipe), image_group(self.mesh), min_pixels=self.vae_min_pixels)
+
+    def configure_context_parallel(self, pipe) -> None:
+        """Static splits: the family pads what it must (packed rows, text) to multiples of the degree."""
+        if self.mode is not None and self.mode.pad and not self.mode.any_length:
+            self.adapter.configure_context_parallel(pipe, self.degree)
+
+    def assemble(self, pipe, encoder, follower_vae, handle) -> TPPipeline:
+        """The `TPPipeline`, once the image group has finished loading together."""
+        # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
+        pipe.set_progress_bar_config(disable=rank() != 0)
+        # The leader loads more (text encoder, VAE) than the others: the group leaves together, so the first call's
+        # entry handshake measures how late a rank is to the call, not to the end of loading. (The image group only:
+        # a job gives a CFG pair's second group nothing to load when every request it has left is made by the first.)
+        CallEntry(replica_ranks(self.mesh, with_cfg=False), "load_pipeline", timeout_s=None).enter(
+            [self.checkpoint.source, str(self.torch_dtype)])
+        return TPPipeline(self.adapter, pipe, encoder, self.mesh, self.buckets, self.times,
+                          checkpoint=self.checkpoint, cp_mode=self.mode, follower_vae=follower_vae,
+                          size_limits=self.adapter.size_limits(self.checkpoint), parallel_vae=handle)
+
+    def fuse_loras(self, pipeline: TPPipeline) -> None:
+        """The LoRAs read at planning, fused into each rank's final shards (no file is read again)."""
+        if self.spec.loras:
+            with self.times.phase("fuse LoRAs"):
+                pipeline.set_loras(list(self.spec.loras))

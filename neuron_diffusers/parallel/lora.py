@@ -37,10 +37,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 from diffusers.utils import convert_unet_state_dict_to_peft
 from huggingface_hub import snapshot_download
 from peft.tuners.lora import LoraLayer
-from safetensors import safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import families
@@ -105,16 +107,12 @@ class LoraSpec:
         if not path.is_file():
             raise LoraError(f"LoRA '{self.source}' is neither a file, a folder nor a Hub id (owner/name). Check the "
                             "path.")
-        _check_safetensors(path)
+        read_file(path)  # a file that is no safetensors is refused here, and read once for every later use
         return path
 
     def record(self) -> dict:
         """What identifies this LoRA in an output's metadata (and a resume key): source, scale, the file's sha256."""
-        digest = hashlib.sha256()
-        with self.file().open("rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 24), b""):
-                digest.update(chunk)
-        return {"source": self.source, "scale": self.scale, "sha256": digest.hexdigest()}
+        return {"source": self.source, "scale": self.scale, "sha256": read_file(self.file()).sha256}
 
 
 def parse_lora_option(text: str) -> LoraSpec:
@@ -125,15 +123,49 @@ def parse_lora_option(text: str) -> LoraSpec:
     return LoraSpec(text)
 
 
-def _check_safetensors(path: Path) -> None:
+@dataclass(frozen=True)
+class LoraFile:
+    """One LoRA file's contents, read once: its tensors, diffusers' adapter metadata from its header, its sha256."""
+
+    tensors: dict
+    metadata: dict | None
+    sha256: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+_files: OrderedDict[tuple, LoraFile] = OrderedDict()
+
+
+def read_file(path: Path) -> LoraFile:
+    """The file's tensors, metadata and sha256 from one read of its bytes (a job opens each LoRA file once per
+    rank: checking, recording and loading all use this). Kept by path, size and mtime, like `read_lora`'s reads."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _files:
+        with open(path, "rb") as handle:
+            data = handle.read()
+        _files[key] = _parse(path, data)
+        while len(_files) > 1 and sum(f.nbytes for f in _files.values()) > _CACHED_BYTES:
+            _files.popitem(last=False)
+    _files.move_to_end(key)
+    return _files[key]
+
+
+def _parse(path: Path, data: bytes) -> LoraFile:
+    """Tensors and header metadata from a safetensors file's bytes (what stock `_fetch_state_dict` reads from it)."""
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            handle.keys()
-    except Exception as error:  # safetensors raises its own error types for a bad header
+        tensors = load_safetensors(data)
+        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
+    except (SafetensorError, ValueError, UnicodeDecodeError, AttributeError) as error:
         raise LoraError(
             f"LoRA file {path} is not a safetensors file ({type(error).__name__}: {error}). Only safetensors is read "
             "(pickled .bin/.pt files can run code on load): convert it with `safetensors.torch.save_file`."
         ) from None
+    raw = header.get(LORA_ADAPTER_METADATA_KEY)
+    return LoraFile(tensors, json.loads(raw) if raw else None, hashlib.sha256(data).hexdigest())
 
 
 @dataclass
@@ -175,15 +207,19 @@ def lora_loader(adapter):
 
 
 def _stock_state_dict(loader, path: Path, label: str) -> tuple[dict, dict | None, dict | None]:
-    """`loader.lora_state_dict` as `load_lora_weights` calls it: (state dict, network alphas, adapter metadata)."""
+    """`loader.lora_state_dict` as `load_lora_weights` calls it: (state dict, network alphas, adapter metadata).
+    It is handed the tensors `read_file` read (a copy of the dict: converters pop keys), and the header's metadata,
+    which stock reads from the file itself: so the file is not opened again."""
     takes_alphas = "return_alphas" in inspect.signature(loader.lora_state_dict).parameters  # FLUX.1's only
+    file = read_file(path)
     try:
-        out = loader.lora_state_dict(str(path.parent), weight_name=path.name, use_safetensors=True,
-                                     return_lora_metadata=True, **({"return_alphas": True} if takes_alphas else {}))
+        out = loader.lora_state_dict(dict(file.tensors), return_lora_metadata=True,
+                                     **({"return_alphas": True} if takes_alphas else {}))
     except Exception as error:  # diffusers' converters raise assorted types for a file they cannot read
         raise LoraError(f"{loader.__name__}.lora_state_dict could not read LoRA {label}: "
                         f"{type(error).__name__}: {error}") from error
-    state_dict, alphas, metadata = out if takes_alphas else (out[0], None, out[1])
+    state_dict, alphas = out[0], (out[1] if takes_alphas else None)
+    metadata = file.metadata
     if not state_dict:
         raise LoraError(f"LoRA {label} holds no tensors.")
     return state_dict, alphas or None, metadata
@@ -387,15 +423,16 @@ class FusedLoras:
         return cls(adapter.transformer_of(pipe), lora_loader(adapter), encoder=encoder, groups=groups)
 
     def set(self, loras: Sequence) -> None:
-        """Make `loras` (specs, `(source, scale)` pairs or sources) the active set; `[]` restores the base weights.
+        """Make `loras` (specs, `(source, scale)` pairs, sources, or `LoadedLora`s) the active set; `[]` restores the
+        base weights.
 
         Reads and checks every LoRA first; the replica agrees before any weight changes, so a bad request raises the
         same `LoraError` on every rank and leaves the model (and the previous set) as it was.
         """
         loaded, new_text, error = [], [], None
         try:
-            specs = [LoraSpec.of(item) for item in loras]
-            loaded = [self._read(spec) for spec in specs]
+            loaded = [self._read(item) for item in loras]
+            specs = [lora.spec for lora in loaded]
             for lora in loaded:
                 for name in lora.factors:
                     self._layout(name)
@@ -422,9 +459,14 @@ class FusedLoras:
         self._activate_text()
         self._loaded, self.active = loaded, specs
 
-    def _read(self, spec: LoraSpec) -> LoadedLora:
-        """`read_lora` against this transformer; on the TP leader also the text part against its encoder."""
-        lora = read_lora(spec, self.loader, type(self.transformer), self.transformer.config)
+    def _read(self, item) -> LoadedLora:
+        """`read_lora` against this transformer (a `LoadedLora` read at planning is taken as it is: no file is read
+        again); on the TP leader also the text part against its encoder."""
+        if isinstance(item, LoadedLora):
+            lora, spec = item, item.spec
+        else:
+            spec = LoraSpec.of(item)
+            lora = read_lora(spec, self.loader, type(self.transformer), self.transformer.config)
         for name, model in self._text_encoders().items():
             part = {k.removeprefix(f"{name}."): v for k, v in lora.text_state_dict.items() if k.startswith(f"{name}.")}
             if part and all("lora_A" in k or "lora_B" in k for k in part):  # other layouts: stock converts and checks

@@ -26,24 +26,21 @@ import sys
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 
-from .. import tiny
-from ..checkpoint import resolve
 from ..cli import positive_float, positive_int
-from ..compile import compile_repeated_blocks, resolve_backend, warmup
+from ..compile import compile_repeated_blocks, warmup
 from ..consistency import CallEntry
 from ..distributed import (
-    check_cp_degrees,
-    check_tp_degree,
     default_store,
     detect_runtime,
     init_distributed,
     leave_together,
 )
-from ..job import DEFAULT_MAX_PIXELS, DTYPES, check_mesh, check_out_dir, context_mode, out_folder
-from ..parallel.lora import LoraSpec, check_loras, parse_lora_option
+from ..job import DEFAULT_MAX_PIXELS, check_mesh, check_out_dir, context_mode, out_folder
+from ..launch import DTYPES as DTYPES  # re-exported: serve's options took it from the job
+from ..launch import LaunchSpec, add_launch_arguments, default_size, plan_launch
+from ..parallel.lora import LoraSpec, parse_lora_option
 from ..runner import load_pipeline
 from .channel import Channel
 from .liveness import Liveness
@@ -76,25 +73,9 @@ def named_lora(value: str) -> tuple[str, LoraSpec]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="flux",
                         help="checkpoint folder, or a tiny family name built offline (default: flux, a tiny FLUX.1)")
-    parser.add_argument("--tp", type=positive_int, default=None,
-                        help="tensor-parallel degree (default: all ranks; with --cfg-parallel half of them); the "
-                             "other ranks form more replicas that serve requests at the same time")
-    parser.add_argument("--ulysses", type=positive_int, default=1,
-                        help="context parallelism: ranks splitting each image's sequence with Ulysses attention")
-    parser.add_argument("--ring", type=positive_int, default=1,
-                        help="context parallelism: ranks splitting each image's sequence with ring attention")
-    parser.add_argument("--cp-any-length", action="store_true",
-                        help="with --ulysses / --ring: any image size, with diffusers' *_anything modes (not with "
-                             "--compile); default: sizes whose tokens split, others refused with nearby ones")
     parser.add_argument("--pipeline", default=None, metavar="CLASS",
                         help="the stock pipeline class to serve the checkpoint with (default: its index's), e.g. "
                              "FluxKontextPipeline, FluxImg2ImgPipeline: image inputs through POST /v1/images/edits")
-    parser.add_argument("--lora", type=named_lora, action="append", default=[], metavar="NAME=SOURCE[:SCALE]",
-                        help="a LoRA requests may choose by NAME ('loras': [{'name': NAME}]), read and checked at "
-                             "start; repeat for more. A request without loras runs the base weights")
-    parser.add_argument("--cfg-parallel", action="store_true",
-                        help="replicas are CFG pairs of TP groups: a request with true CFG computes cond and uncond "
-                             "side by side")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (printed)")
     parser.add_argument("--max-queue", type=positive_int, default=16,
@@ -115,29 +96,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "only ones, each compiled up front")
     parser.add_argument("--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS,
                         help="refuse images larger than this many pixels (the model's own maximum applies anyway)")
-    parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="default: bfloat16 on an accelerator, float32 on CPU")
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds any collective may wait")
     parser.add_argument("--peer-timeout", type=positive_float, default=30.0,
                         help="seconds without a rank's heartbeat before it is taken as dead and the server exits 1 "
                              "(at most --timeout)")
-    parser.add_argument("--compile", nargs="?", const="auto", default=None, metavar="BACKEND",
-                        help="compile the transformer's repeated blocks and warm up every --sizes entry before "
-                             "serving; other sizes are refused (no request recompiles)")
+    add_launch_arguments(parser, lora_type=named_lora, lora_metavar="NAME=SOURCE[:SCALE]",
+                         lora_help="a LoRA requests may choose by NAME ('loras': [{'name': NAME}]), read and checked "
+                                   "at start; repeat for more. A request without loras runs the base weights")
 
 
 def plan_server(args, world_size: int, device_type: str):
-    """Resolve and check the command line, reading no weight and starting no process group; a `ServeConfig`."""
+    """Resolve and check the command line, reading no weight and starting no process group: the `ServeConfig` the
+    front checks requests against, holding the `LaunchSpec` every rank loads from (`config.launch`)."""
     missing = [name for name in WEB_STACK if importlib.util.find_spec(name) is None]
     if missing:
         raise ValueError(f"`serve` needs the web stack ({', '.join(missing)} missing): pip install "
                          "'neuron-diffusers[serve]'.")
-    from .request import ServeConfig  # pydantic: the `serve` extra, for the reason `_Front` gives
+    if args.compile and args.sizes is None:
+        raise ValueError("--compile serves only the sizes it warmed up: give them with --sizes WIDTHxHEIGHT[,...].")
+    _check_front(args)
+    names = [name for name, _ in args.lora]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--lora names must differ: {', '.join(sorted({n for n in names if names.count(n) > 1}))} "
+                         "given twice.")
+    # Every shared option checked once (each LoRA file read once, against the transformer's config, as the job does).
+    launch = plan_launch(args, world_size, device_type, steps=args.steps, loras=[spec for _, spec in args.lora])
+    launch = _settle_pairs(launch, world_size, compiled=bool(args.compile))
+    config = _config(args, launch, world_size)
+    for height, width in args.sizes or ():
+        config.limits.check(height, width, f"--sizes {width}x{height}", args.max_pixels)
+        config.check_split(height, width, f"--sizes {width}x{height}")
+    records = launch.lora_records()
+    return dataclasses.replace(config, loras={name: record for (name, _), record in zip(args.lora, records,
+                                                                                          strict=True)})
 
-    if args.compile:
-        resolve_backend(args.compile)
-        if args.sizes is None:
-            raise ValueError("--compile serves only the sizes it warmed up: give them with --sizes WIDTHxHEIGHT[,...].")
+
+def _check_front(args) -> None:
+    """The server's own options: where outputs go, the port, the heartbeat timeout."""
     if args.out is not None:
         check_out_dir(args.out)
     if not 0 <= args.port <= 65535:
@@ -145,45 +140,42 @@ def plan_server(args, world_size: int, device_type: str):
     if args.peer_timeout > args.timeout:
         raise ValueError(f"--peer-timeout {args.peer_timeout:g} is above --timeout {args.timeout:g}: a dead rank must "
                          "be noticed before a collective gives up on it. Lower --peer-timeout.")
-    pairs = 2 if args.cfg_parallel else 1
-    cp = args.ulysses * args.ring
-    tp = args.tp or max(world_size // (pairs * cp), 1)
-    check_tp_degree(tp, world_size)
-    check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring)
-    checkpoint = resolve(args.model, args.pipeline)
-    checkpoint.check_safetensors()
-    checkpoint.check_heads(tp)
-    adapter = checkpoint.adapter
-    if args.compile and not adapter.own_class:
+
+
+def _settle_pairs(launch: LaunchSpec, world_size: int, *, compiled: bool) -> LaunchSpec:
+    """What the server can serve of the checkpoint, and the CFG pairs: a guidance-distilled family serves the cfg
+    ranks as more replicas. The mesh is checked once the pairs are settled."""
+    checkpoint, adapter = launch.checkpoint, launch.checkpoint.adapter
+    if compiled and not adapter.own_class:
         raise ValueError(f"--compile with --pipeline {checkpoint.pipeline_class}: its requests carry input images, "
                          "which change the compiled shapes (a recompile mid-request). Drop --compile, or serve the "
                          "checkpoint's own class.")
     if adapter.output_suffix != ".png":
         raise ValueError(f"{adapter.pipeline_class} makes {adapter.output_suffix} files, and the server answers with "
                          "images only: use `neuron-diffusers generate` for it.")
+    pairs = launch.cfg
     if pairs > 1 and not adapter.takes_negative_prompt:
         print(f"neuron-diffusers serve: note: --cfg-parallel: {adapter.pipeline_class} is guidance-distilled (no true "
               "CFG), so the cfg ranks serve as more replicas instead.", file=sys.stderr)
         pairs = 1
-    mode = context_mode(checkpoint, args.ulysses, args.ring, args.cp_any_length, compiled=bool(args.compile))
-    check_mesh(checkpoint, world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs, mode=mode)
-    limits = adapter.size_limits(checkpoint)
-    default = tiny.default_size(args.model) if args.model in tiny.FAMILIES else (1024, 1024)
-    config = ServeConfig(checkpoint, limits, args.sizes[0] if args.sizes else default, args.steps, args.max_steps,
-                         args.max_pixels, tp, world_size // (tp * cp * pairs), pairs,
-                         args.dtype or ("float32" if device_type == "cpu" else "bfloat16"),
-                         sizes=args.sizes if args.compile else None, ulysses=args.ulysses, ring=args.ring,
-                         cp_split=mode is not None and not mode.any_length)
-    for height, width in args.sizes or ():
-        limits.check(height, width, f"--sizes {width}x{height}", args.max_pixels)
-        config.check_split(height, width, f"--sizes {width}x{height}")
-    names = [name for name, _ in args.lora]
-    if len(set(names)) < len(names):
-        raise ValueError(f"--lora names must differ: {', '.join(sorted({n for n in names if names.count(n) > 1}))} "
-                         "given twice.")
-    # Last, the slowest: each file read and checked against the transformer's config (as the job does).
-    check_loras(checkpoint, [spec for _, spec in args.lora])
-    return dataclasses.replace(config, loras={name: spec.record() for name, spec in args.lora})
+    mode = context_mode(checkpoint, launch.ulysses, launch.ring, launch.cp_any_length, compiled=compiled)
+    check_mesh(checkpoint, world_size, tp=launch.tp, ulysses=launch.ulysses, ring=launch.ring, cfg=pairs, mode=mode)
+    return dataclasses.replace(launch, cfg=pairs)
+
+
+def _config(args, launch: LaunchSpec, world_size: int):
+    """The `ServeConfig` the HTTP front checks requests against."""
+    from .request import ServeConfig  # pydantic: the `serve` extra, for the reason `_Front` gives
+
+    checkpoint = launch.checkpoint
+    mode = context_mode(checkpoint, launch.ulysses, launch.ring, launch.cp_any_length, compiled=bool(args.compile))
+    cp = launch.ulysses * launch.ring
+    return ServeConfig(checkpoint, checkpoint.adapter.size_limits(checkpoint),
+                       args.sizes[0] if args.sizes else default_size(args.model), args.steps, args.max_steps,
+                       args.max_pixels, launch.tp, world_size // (launch.tp * cp * launch.cfg), launch.cfg,
+                       launch.dtype, sizes=args.sizes if args.compile else None, ulysses=launch.ulysses,
+                       ring=launch.ring, cp_split=mode is not None and not mode.any_length, cache=launch.cache_text,
+                       plan=launch.plan, launch=launch)
 
 
 class _Signals:
@@ -211,16 +203,16 @@ def main(args: argparse.Namespace) -> int:
     """`neuron-diffusers serve`: exit 0 after a SIGTERM once everything in flight is answered; 1 when a rank failed."""
     runtime = detect_runtime()
     config = plan_server(args, runtime.world_size, runtime.device_type)
+    launch = config.launch
     listener = _listen(args.host, args.port) if runtime.rank == 0 else None
     signals = _Signals(args.shutdown_timeout)
     mesh = init_distributed(tp=config.tp, ulysses=config.ulysses, ring=config.ring, cfg=config.cfg,
-                            timeout_s=args.timeout)
+                            order=launch.mesh_order, timeout_s=args.timeout)
     front = _Front(config, args, listener, signals) if runtime.rank == 0 else None
     liveness = Liveness(default_store(), runtime.rank, runtime.world_size, args.peer_timeout,
                         on_failure=front.scheduler.fail if front is not None else lambda failure: None).start()
     try:
-        pipe = load_pipeline(config.checkpoint, mesh, torch_dtype=getattr(torch, config.dtype),
-                             cp_any_length=args.cp_any_length)
+        pipe = load_pipeline(launch, mesh)
         if args.compile:
             compile_repeated_blocks(pipe, backend=args.compile)
             warmup(pipe, list(args.sizes), num_inference_steps=2)

@@ -19,9 +19,8 @@ import PIL.Image
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..checkpoint import Checkpoint
-from ..job import Request, build_requests, call_kwargs, settings_text
+from ..job import Request, build_requests, call_kwargs, output_key, settings_text
 from ..media import InputImage
-from ..outputs import model_identity, settings_key
 from ..pipelines.base import MAX_SEED, SizeLimits
 from ..pipelines.image_inputs import check_image_kwargs
 from ..runner import check_context_parallel_call
@@ -108,6 +107,11 @@ class ServeConfig:
     cp_split: bool = False
     #: `--lora NAME=SOURCE[:SCALE]`: name -> {"source", "scale", "sha256"} (read and checked at start).
     loras: dict = dataclasses.field(default_factory=dict)
+    #: `--cache` as given (recorded with every image, and in its settings key) and `--plan`'s name.
+    cache: str | None = None
+    plan: str = "default"
+    #: The checked `launch.LaunchSpec` every rank loads from (None in a config built by hand).
+    launch: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def check_split(self, height: int, width: int, where: str) -> None:
         """Under context parallelism without *_anything modes: refuse a size whose tokens `generate` could not split
@@ -200,16 +204,10 @@ def plan_work(body: ImageRequest, config: ServeConfig, images: tuple[Upload, ...
     cfg = 2 if config.cfg > 1 and adapter.uses_true_cfg(requests[0].negative_prompt,
                                                          call_kwargs(requests[0], adapter)) else 1
     loras = _loras(body.loras, config)
-    model = model_identity(config.checkpoint.source)
-    # The pipeline class is in the key when it is not the index's own (img2img, Kontext...), as in the job's.
-    own_class = config.checkpoint.pipeline_class == config.checkpoint.pipeline_class_name
-    pipeline = None if own_class else config.checkpoint.pipeline_class
     texts = [settings_text(r, model=config.checkpoint.source, pipeline=config.checkpoint.pipeline_class, tp=config.tp,
                            dp=config.replicas, cfg=cfg, dtype=config.dtype, loras=loras,
-                           key=settings_key(r, model=model, dtype=config.dtype, pipeline=pipeline,
-                                            loras=[{"sha256": lora["sha256"], "scale": lora["scale"]}
-                                                   for lora in loras]),
-                           ulysses=config.ulysses, ring=config.ring)
+                           key=output_key(r, config.checkpoint, config.dtype, config.cache, loras),
+                           cache=config.cache, ulysses=config.ulysses, ring=config.ring, plan=config.plan)
              for r in requests]
     kwargs = call_kwargs(requests[0], adapter) | ({} if strength is None else {"strength": strength})
     return Work(requests, body.response_format, texts, kwargs, tuple(upload.data for upload in images),

@@ -1,0 +1,245 @@
+"""One launch spec for the job (`generate`) and the server (`serve`): the options they share, and one planning step.
+
+`add_launch_arguments` is the one argument group both commands offer (mesh, plan, cache, VAE, LoRA, compile, dtype),
+so the two cannot drift. `plan_launch` checks all of it once, before any process group starts or any weight is read,
+and returns a frozen `LaunchSpec`: the job and the server hand that to `load_pipeline`, which then checks nothing
+again. `load_pipeline` called directly with keyword arguments builds the same spec itself (`spec_for`).
+
+Each LoRA file is read once here (`parallel/lora.py`) and the read LoRAs travel in the spec to the fusing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from . import tiny
+from .checkpoint import Checkpoint, resolve
+from .cli import positive_int
+from .compile import compiled_block_classes, resolve_backend
+from .distributed import MESH_ORDERS, check_cp_degrees, check_tp_degree
+from .parallel import context
+from .parallel.cache import check_cache, parse_cache_spec
+from .parallel.lora import LoadedLora, LoraSpec, check_loras, lora_loader, read_lora
+from .parallel.plan_variants import VARIANTS, variant_plan
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser, *, lora_type=None,
+                         lora_metavar: str = "PATH[:SCALE]", lora_help: str | None = None):
+    """The options `generate` and `serve` share, as one argument group (the LoRA option's syntax alone differs: the
+    server names each LoRA so requests can choose it)."""
+    group = parser.add_argument_group("launch (shared by generate and serve)")
+    group.add_argument("--tp", type=positive_int, default=None,
+                       help="tensor-parallel degree (default: all ranks; with --cfg-parallel half of them); the other "
+                            "ranks form more replicas")
+    group.add_argument("--plan", choices=VARIANTS, default="default",
+                       help="tensor-parallel plan: default (no more collectives per forward than stock, then the "
+                            "least memory), lean (less memory per rank for more collectives: Qwen-Image-2.1) or "
+                            "stock (diffusers' own)")
+    group.add_argument("--cfg-parallel", action="store_true",
+                       help="true CFG (negative prompt, scale > 1): compute cond and uncond on two TP groups at once; "
+                            "needs a multiple of 2 x tp ranks. Requests without true CFG use the pairs as data "
+                            "parallelism")
+    group.add_argument("--ulysses", type=positive_int, default=1,
+                       help="context parallelism: split each image's sequence over N ranks with Ulysses all-to-all "
+                            "(tp x ulysses must divide the attention heads)")
+    group.add_argument("--ring", type=positive_int, default=1,
+                       help="context parallelism: split each image's sequence over N ranks with ring attention")
+    group.add_argument("--cp-any-length", action="store_true",
+                       help="with --ulysses or --ring: any image size and prompt length, exactly, in diffusers' "
+                            "*_anything modes (not with --compile); default: sizes whose tokens split, others refused "
+                            "with nearby ones")
+    group.add_argument("--mesh-order", choices=sorted(MESH_ORDERS), default="ulysses-inner",
+                       help="which ranks are neighbours under context parallelism: ulysses-inner (default: "
+                            "contiguous all-to-all groups, as Neuron needs) or tp-inner (TP all-reduces between "
+                            "neighbours)")
+    group.add_argument("--parallel-vae", action=argparse.BooleanOptionalAction, default=None,
+                       help="every rank of a TP group decodes (and encodes) one piece of each image, so none idles "
+                            "and the decode's memory is split; --no-parallel-vae: the TP leader decodes alone "
+                            "(default: MiniMax-H3 always, the others from 1024 x 1024 pixels, with tp > 1)")
+    group.add_argument("--dtype", choices=DTYPES, default=None,
+                       help="default: bfloat16 on an accelerator, float32 on CPU")
+    group.add_argument("--lora", type=lora_type, action="append", default=[], metavar=lora_metavar,
+                       help=lora_help or "a LoRA (.safetensors file, a folder holding one, or a Hub id) fused into "
+                                         "every rank's shard at SCALE (default 1); repeat for several")
+    group.add_argument("--compile", nargs="?", const="auto", default=None, metavar="BACKEND",
+                       help="compile the transformer's repeated blocks (default backend: neuron if present, else "
+                            "inductor)")
+    group.add_argument("--warmup", action="store_true",
+                       help="with --compile: compile the requested sizes and every text-length bucket before the "
+                            "first request (serve always warms up every --sizes entry)")
+    group.add_argument("--cache", default=None, metavar="SPEC",
+                       help="step cache with decisions shared by each TP group: first-block:THRESHOLD, "
+                            "taylorseer:KEY=VALUE,... or mag:KEY=VALUE,... (diffusers' FirstBlockCacheConfig, "
+                            "TaylorSeerCacheConfig, MagCacheConfig fields)")
+    return group
+
+
+#: The destinations of the shared options (what a test compares between the two commands' parsers).
+def launch_options() -> set[str]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_launch_arguments(parser)
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything that decides how a model is loaded over the mesh, checked: what `load_pipeline` builds from.
+
+    The keyword arguments of `load_pipeline` are its front (same names: `plan`, `cache`, `loras`, `cp_any_length`,
+    `parallel_vae`, `pipeline_class`, `buckets`); the rest is what planning found (the checkpoint, the plan's
+    table, the context-parallel mode, the read LoRAs).
+    """
+
+    checkpoint: Checkpoint
+    tp: int = 1
+    ulysses: int = 1
+    ring: int = 1
+    #: 2: replicas are CFG pairs of image groups; else 1.
+    cfg: int = 1
+    mesh_order: str = "ulysses-inner"
+    cp_any_length: bool = False
+    #: The tensor-parallel plan's name and its table (`parallel/plan_variants.py`).
+    plan: str = "default"
+    tp_plan: object = None
+    #: The diffusers step-cache config (None: no cache) and the `--cache` text it came from.
+    cache: object = None
+    cache_text: str | None = None
+    parallel_vae: bool | None = None
+    #: The LoRAs, each read and checked once (`parallel.lora.LoadedLora`), fused at load.
+    loras: tuple[LoadedLora, ...] = ()
+    compile: str | None = None
+    warmup: bool = False
+    dtype: str | None = None
+    #: Text-length buckets overriding the family's (None: the family's; `()`: no padding).
+    buckets: tuple[int, ...] | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return None if self.dtype is None else getattr(torch, self.dtype)
+
+    @property
+    def group(self) -> int:
+        """Ranks that make one image together."""
+        return self.tp * self.ulysses * self.ring
+
+    def lora_records(self) -> list[dict]:
+        """`{"source", "scale", "sha256"}` per LoRA: what outputs record (the sha256 from the one read)."""
+        return [lora.spec.record() for lora in self.loras]
+
+
+def check_guidance(adapter, given: dict, where: str = "") -> None:
+    """The guidance-distilled rule, in one place: a family without true CFG takes no negative prompt and no
+    true-CFG scale, one without a guidance kwarg no guidance; and where guidance *is* the true-CFG scale (Qwen-Image),
+    the true-CFG option is refused for the guidance one. `given` maps each option's name as the user wrote it
+    (`--guidance`, `'guidance'`, `guidance_scale`) to its value, in the order negative prompt, guidance, true CFG."""
+    (negative, neg_value), (guidance, guidance_value), (true_cfg, true_value) = given.items()
+    distilled = f"{where}{adapter.pipeline_class} is guidance-distilled"
+    if neg_value is not None and not adapter.takes_negative_prompt:
+        raise ValueError(f"{distilled} and takes no negative prompt: drop {negative}.")
+    if guidance_value is not None and adapter.guidance_kwarg is None:
+        raise ValueError(f"{distilled}: drop {guidance}.")
+    if true_value is not None and not adapter.takes_negative_prompt:
+        raise ValueError(f"{distilled} and has no true CFG: drop {true_cfg}.")
+    if true_value is not None and adapter.guidance_kwarg == "true_cfg_scale":
+        raise ValueError(f"{where}For {adapter.pipeline_class}, {guidance} sets true_cfg_scale: use {guidance} "
+                         f"instead of {true_cfg}.")
+
+
+def mesh_degrees(args, world_size: int) -> tuple[int, int]:
+    """(tp, cfg pairs) from the options, checked against the world: tp defaults to every rank one image group has."""
+    pairs = 2 if args.cfg_parallel else 1
+    tp = args.tp or max(world_size // (pairs * args.ulysses * args.ring), 1)
+    check_tp_degree(tp, world_size)
+    check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring)
+    return tp, pairs
+
+
+def default_size(model) -> tuple[int, int]:
+    """(height, width) when a request gives none: a tiny model's own small size, else 1024 x 1024."""
+    return tiny.default_size(model) if isinstance(model, str) and model in tiny.NAMES else (1024, 1024)
+
+
+def default_dtype(dtype: str | None, device_type: str) -> str:
+    return dtype or ("float32" if device_type == "cpu" else "bfloat16")
+
+
+def runner_mode(checkpoint: Checkpoint, buckets: tuple[int, ...], ulysses: int, ring: int, any_length: bool, *,
+                compiled: bool = False) -> context.RunnerMode | None:
+    """How context parallelism runs this family (None without it), refusing `--compile` where that would be one of
+    diffusers' `*_anything` modes: any length means no static shapes, so every new length would recompile."""
+    if ulysses * ring == 1:
+        return None
+    name, adapter = checkpoint.family.display_name, checkpoint.adapter
+    # Qwen-Image-2.1's text is padded by its buckets alone: without them, any length (`ulysses_anything`).
+    text = "none" if adapter.cp_block_causal and not buckets else adapter.cp_text
+    mode = context.runner_mode(name, text, ulysses, ring, any_length, block_causal=adapter.cp_block_causal)
+    if mode.any_length and compiled:
+        raise ValueError(
+            f"--compile with context parallelism needs static shapes, but {name} would run diffusers' "
+            f"{'ulysses' if mode.ulysses_anything else 'ring'}_anything mode here (any length, a host sync per "
+            "attention call). Drop --compile, or --cp-any-length / the ring + padding combination."
+        )
+    return mode
+
+
+def read_loras(checkpoint: Checkpoint, loras) -> tuple[LoadedLora, ...]:
+    """Each LoRA read once and checked against the transformer's config, before any weight is read."""
+    specs = check_loras(checkpoint, loras)
+    if not specs:
+        return ()
+    loader = lora_loader(checkpoint.adapter)
+    return tuple(read_lora(spec, loader, checkpoint.transformer_class(), checkpoint.config("transformer"))
+                 for spec in specs)
+
+
+def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = None,
+                loras: list[LoraSpec] = ()) -> LaunchSpec:
+    """Check every shared option once, reading no weight and starting no process group: a frozen `LaunchSpec`.
+
+    `args` holds the `add_launch_arguments` options plus `model` and `pipeline`; `steps` lays out a MagCache schedule;
+    `loras` are the specs to read (the job's `--lora`; the server passes its named ones). The cfg pairs are the
+    ones asked for: a caller that falls back to data parallelism replaces `cfg` and calls `check_mesh` again."""
+    if args.warmup and not args.compile:
+        raise ValueError("--warmup compiles shapes up front, so it needs --compile [BACKEND].")
+    if args.compile:
+        resolve_backend(args.compile)
+    cache = parse_cache_spec(args.cache, steps=steps) if args.cache else None
+    tp, pairs = mesh_degrees(args, world_size)
+    checkpoint = resolve(args.model, args.pipeline)
+    checkpoint.check_safetensors()
+    checkpoint.check_heads(tp)
+    tp_plan = variant_plan(checkpoint.family, args.plan)
+    if cache is not None:
+        # Tried on the meta-device transformer (no weights), with the blocks `--compile` would compile.
+        meta = checkpoint.meta("transformer")
+        check_cache(cache, meta, compiled_block_classes(meta, checkpoint.adapter) if args.compile else None)
+    runner_mode(checkpoint, checkpoint.adapter.buckets, args.ulysses, args.ring, args.cp_any_length,
+                compiled=bool(args.compile))
+    return LaunchSpec(checkpoint, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
+                      mesh_order=args.mesh_order, cp_any_length=args.cp_any_length, plan=args.plan, tp_plan=tp_plan,
+                      cache=cache, cache_text=args.cache, parallel_vae=args.parallel_vae,
+                      compile=args.compile, warmup=args.warmup, dtype=default_dtype(args.dtype, device_type),
+                      loras=read_loras(checkpoint, loras))
+
+
+def spec_for(model, *, torch_dtype=None, pipeline_class=None, buckets=None, loras=(), cache=None,
+             cp_any_length: bool = False, parallel_vae: bool | None = None, plan: str = "default") -> LaunchSpec:
+    """`load_pipeline`'s keyword arguments as a checked spec (the mesh's degrees are filled in at load)."""
+    checkpoint = resolve(model, pipeline_class)
+    tp_plan = variant_plan(checkpoint.family, plan)
+    if cache is not None:
+        check_cache(cache, checkpoint.meta("transformer"))
+    dtype = None if torch_dtype is None else str(torch_dtype).removeprefix("torch.")
+    return LaunchSpec(checkpoint, cp_any_length=cp_any_length, plan=plan, tp_plan=tp_plan, cache=cache,
+                      parallel_vae=parallel_vae, loras=read_loras(checkpoint, loras), dtype=dtype,
+                      buckets=None if buckets is None else tuple(buckets))
+
+
+def with_cfg(spec: LaunchSpec, cfg: int) -> LaunchSpec:
+    return dataclasses.replace(spec, cfg=cfg)
