@@ -20,7 +20,7 @@ import base64
 import json
 import time
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -84,8 +84,8 @@ def build_app(config: ServeConfig, scheduler: Scheduler, metrics: Metrics, reque
                   docs_url=None, redoc_url=None)
     _count_requests(app, metrics)
     _answer_errors(app, metrics)
-    app.include_router(_probes(config, scheduler, metrics))
-    app.include_router(_image_routes(config, _Answers(scheduler, metrics, request_timeout_s, files), files))
+    _add_probes(app, config, scheduler, metrics)
+    _add_image_routes(app, config, _Answers(scheduler, metrics, request_timeout_s, files), files)
     return app
 
 
@@ -120,18 +120,17 @@ def _answer_errors(app: FastAPI, metrics: Metrics) -> None:
                      error_type=exc.error_type)
 
 
-def _probes(config: ServeConfig, scheduler: Scheduler, metrics: Metrics) -> APIRouter:
+def _add_probes(app: FastAPI, config: ServeConfig, scheduler: Scheduler, metrics: Metrics) -> None:
     """`/health` (every rank alive: an orchestrator restarts the server on 503), `/ready` (weights loaded: a load
     balancer sends requests only then) and `/metrics` (Prometheus)."""
-    router = APIRouter()
 
-    @router.get("/health")
+    @app.get("/health")
     async def health():
         if scheduler.failure:
             return error(503, f"unhealthy: {scheduler.failure}", "unhealthy", error_type="server_error")
         return {"status": "ok"}
 
-    @router.get("/ready")
+    @app.get("/ready")
     async def ready():
         if not scheduler.ready.is_set():
             return error(503, "loading: weights are not loaded (and warmed) yet", "not_ready",
@@ -139,19 +138,16 @@ def _probes(config: ServeConfig, scheduler: Scheduler, metrics: Metrics) -> APIR
         return {"status": "ready", "model": config.checkpoint.source, "replicas": config.replicas,
                 "tp": config.tp, "ulysses": config.ulysses, "ring": config.ring, "cfg": config.cfg}
 
-    @router.get("/metrics")
+    @app.get("/metrics")
     async def prometheus():
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    return router
 
-
-def _image_routes(config: ServeConfig, answers: _Answers, files: ImageFiles | None) -> APIRouter:
+def _add_image_routes(app: FastAPI, config: ServeConfig, answers: _Answers, files: ImageFiles | None) -> None:
     """OpenAI's two image routes, and the files of their `url` answers. A route only turns its body into `Work`
     (raising `GenerationError` for what the server refuses); `_Answers` queues it and shapes the answer."""
-    router = APIRouter()
 
-    @router.get(FILES + "/{name}", name="image_file")
+    @app.get(FILES + "/{name}", name="image_file")
     async def image_file(name: str):
         path = files.path(name) if files is not None else None
         if path is None:
@@ -159,7 +155,7 @@ def _image_routes(config: ServeConfig, answers: _Answers, files: ImageFiles | No
                          "images", "not_found")
         return FileResponse(path, media_type="image/png")
 
-    @router.post(GENERATIONS)
+    @app.post(GENERATIONS)
     async def generations(body: ImageRequest, request: Request):
         arrived = time.perf_counter()
         try:
@@ -168,14 +164,12 @@ def _image_routes(config: ServeConfig, answers: _Answers, files: ImageFiles | No
             raise _invalid(str(exc)) from exc
         return await answers.answer(work, arrived, request)
 
-    @router.post(EDITS)
+    @app.post(EDITS)
     async def edits(request: Request):
         arrived = time.perf_counter()
         _check_edit_headers(request)
         fields, images, mask = await _read_edit_form(request)
         return await answers.answer(_edit_work(fields, images, mask, config), arrived, request)
-
-    return router
 
 
 def _check_edit_headers(request: Request) -> None:
