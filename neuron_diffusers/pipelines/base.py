@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from ..media import read_png_text, save_png
+from ..parallel import patches
 
-if TYPE_CHECKING:  # the checkpoint module looks adapters up through `families`, which imports this one
+if TYPE_CHECKING:  # annotations only: `checkpoint` reads this module's helpers
     from ..checkpoint import Checkpoint
     from ..families import PipelineClass
 
@@ -382,8 +383,6 @@ class StockPipelineAdapter(PipelineAdapter):
         config = self.dynamic_shift_config(checkpoint)
         if config is None:
             return None
-        from ..parallel import patches  # here: patches imports `families`, which imports this module
-
         calculate_shift = patches.internal(self.own_module(), "calculate_shift")
         names = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
         return lambda tokens: calculate_shift(tokens, *(config[name] for name in names))

@@ -3,6 +3,7 @@
 Like FLUX.1, stock pads the text to `max_sequence_length` and attends to every position: static by construction.
 """
 
+from ..parallel import patches
 from .base import StockPipelineAdapter
 
 
@@ -19,8 +20,6 @@ class Flux2Adapter(StockPipelineAdapter):
         scheduler's config; above 4300 tokens the fit no longer depends on the step count."""
         if self.dynamic_shift_config(checkpoint) is None:
             return None
-        from ..parallel import patches  # here: patches imports `families`, which imports this module
-
         fit = patches.internal(self.own_module(), "compute_empirical_mu")
         return lambda tokens: fit(tokens, num_steps=1)
 

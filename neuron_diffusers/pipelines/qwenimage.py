@@ -9,6 +9,7 @@ every prompt of a bucket shares one compiled graph. Prompts are encoded (and tru
 
 import torch
 
+from ..parallel import patches
 from .base import StockPipelineAdapter
 
 
@@ -27,8 +28,6 @@ class QwenImageAdapter(StockPipelineAdapter):
         """Qwen-Image's rotary tables (`QwenEmbedRope`, read here on the meta device) hold a fixed number of
         positions. Image positions are centred, so half the side is used, and the text takes the positions after the
         image's (up to 1024 tokens, `call_overrides`): past that the text slice comes out short and the call fails."""
-        from ..parallel import patches  # here: patches imports `families`, which imports this module
-
         rope = patches.internal("diffusers.models.transformers.transformer_qwenimage", "QwenEmbedRope")
         with torch.device("meta"):
             positions = rope(theta=10000, axes_dim=[2, 2, 2], scale_rope=True).pos_freqs.shape[0]
