@@ -5,7 +5,7 @@ pipelines, a pipeline adapter (`pipelines/`) and a tiny random checkpoint builde
 else looks families up here: the CLI's family names, the tiny builds, plan and bench tools, and the checkpoint
 resolver (by the pipeline or transformer class a checkpoint's index names). `name` is the one spelling used in the
 CLI, in file names (plans, tiny builders, samples) and in docs; `display_name` is what people call the model.
-Adding a family: docs/architecture.md, "Where does it go".
+Adding a family: docs/architecture.md, "Adding a family" (its own files and one registry line).
 
 A family's transformer often serves several stock pipeline classes (one FLUX.1 folder runs FluxPipeline,
 FluxImg2ImgPipeline, FluxInpaintPipeline and FluxKontextPipeline). `pipelines` lists the ones verified here, with
