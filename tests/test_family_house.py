@@ -2,6 +2,7 @@
 files, plus one `families.register` call) runs `plan verify` and `generate` with nothing else changed."""
 
 import importlib
+import sys
 
 import pytest
 
@@ -24,8 +25,14 @@ def _generate_on_rank(argv: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def registered():
-    importlib.import_module(FAMILY)
-    return families.get("chroma")
+    """The family registered for this module's tests, and the registry restored after them (later tests see ours)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("FAMILIES", "PIPELINE_FAMILIES", "TINY_CHECKPOINTS"):
+            patch.setattr(families, name, getattr(families, name))
+        patch.setattr(families, "_BY_NAME", dict(families._BY_NAME))
+        module = sys.modules.get(FAMILY)
+        importlib.reload(module) if module is not None else importlib.import_module(FAMILY)
+        yield families.get("chroma")
 
 
 def test_the_registry_knows_the_family_from_its_one_line(registered):
