@@ -34,6 +34,7 @@ from torch._dynamo.utils import compilation_time_metrics, counters, guard_failur
 
 from .compat import context as compat_context
 from .compat import plans as compat_plans
+from .parallel.blocks import block_types_of
 from .parallel.cache import group_cache_of
 
 
@@ -99,13 +100,14 @@ def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", *, block
     _refuse_any_length(transformer)
     _warn_if_unbucketed(pipe_or_transformer)
     block_classes = compiled_block_classes(transformer, getattr(pipe_or_transformer, "adapter", None), blocks)
+    block_types = block_types_of(transformer, block_classes)
     cache = group_cache_of(transformer)
     if cache is not None:
         cache.check_compilable(block_classes)
     options = {"fullgraph": True, "dynamic": False, **torch_compile_kwargs}
     backend = resolve_backend(backend)
     for module in transformer.modules():
-        if type(module).__name__ in block_classes:
+        if isinstance(module, block_types):
             # A torch pre-hook, the same compiler-disabled function on every block: one graph serves them all.
             module.register_forward_pre_hook(_row_major_block_inputs, with_kwargs=True)
     if cache is None:
@@ -113,7 +115,7 @@ def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", *, block
         return transformer
     with cache.suspended():  # each block's own forward, so the re-installed cache hooks stay outside the graphs
         for module in transformer.modules():
-            if type(module).__name__ in block_classes:
+            if isinstance(module, block_types):
                 module.forward = torch.compile(module.forward, backend=backend, **options)
     return transformer
 

@@ -5,7 +5,7 @@ pipelines, a pipeline adapter (`pipelines/`) and a tiny random checkpoint builde
 else looks families up here: the CLI's family names, the tiny builds, plan and bench tools, and the checkpoint
 resolver (by the pipeline or transformer class a checkpoint's index names). `name` is the one spelling used in the
 CLI, in file names (plans, tiny builders, samples) and in docs; `display_name` is what people call the model.
-Adding a family: docs/architecture.md, "Where does it go".
+Adding a family: docs/architecture.md, "Adding a family" (its own files and one registry line).
 
 A family's transformer often serves several stock pipeline classes (one FLUX.1 folder runs FluxPipeline,
 FluxImg2ImgPipeline, FluxInpaintPipeline and FluxKontextPipeline). `pipelines` lists the ones verified here, with
@@ -18,15 +18,14 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import diffusers
 
-from .pipelines import PipelineAdapter
-from .pipelines.flux import FluxAdapter
-from .pipelines.flux2 import Flux2Adapter
-from .pipelines.h3 import MiniMaxH3Adapter
-from .pipelines.qwenimage import QwenImageAdapter
-from .pipelines.qwenimage21 import QwenImage21Adapter
+from .parallel import blocks
+
+if TYPE_CHECKING:  # annotations only: the record names its adapter by class name, imported on first use
+    from .pipelines import PipelineAdapter
 
 
 @dataclass(frozen=True)
@@ -45,20 +44,36 @@ class PipelineClass:
 
 @dataclass(frozen=True)
 class Family:
+    """One family: its names, and where its files are. Its files are found by convention from `package` and `name`
+    (`<package>.tp_plans.<name>`, `<package>.pipelines.<name>`, `<package>.tiny.<name>`) and imported on first use,
+    so the registry imports none of them (no import cycle: adapters and tiny builders may import the registry)."""
+
     name: str
     display_name: str
-    #: The pipeline adapter; None for a family we only plan (no pipeline runs it here).
-    adapter: type[PipelineAdapter] | None = None
+    #: The adapter's class name in `pipelines/<name>.py`; None for a family we only plan (no pipeline runs it here).
+    adapter_class: str | None = None
     #: Where the released weights live on the Hugging Face Hub (samples and docs point there).
     hub_id: str | None = None
     #: The stock pipeline classes verified on the family's transformer, the adapter's own class first.
     pipelines: tuple[PipelineClass, ...] = ()
+    #: The package holding the family's `tp_plans/`, `pipelines/` and `tiny/` modules: ours, or another one that
+    #: registers a family of its own (`register`).
+    package: str = __package__
+
+    def module(self, folder: str) -> ModuleType:
+        """The family's own module in `folder` (`tp_plans`, `pipelines`, `tiny`), imported on first use."""
+        return importlib.import_module(f"{self.package}.{folder}.{self.name}")
+
+    @property
+    def adapter(self) -> type[PipelineAdapter] | None:
+        """The pipeline adapter class (`pipelines/<name>.py`); None for a family we only plan."""
+        return None if self.adapter_class is None else getattr(self.module("pipelines"), self.adapter_class)
 
     @property
     def plan_module(self) -> ModuleType:
         """`tp_plans/<name>.py`: `PLAN` (our default plan), `LEAN_PLAN` where memory trades against collectives,
         and `MODEL_CLASS` (the diffusers class they are written for)."""
-        return importlib.import_module(f"{__package__}.tp_plans.{self.name}")
+        return self.module("tp_plans")
 
     @property
     def plan(self) -> dict:
@@ -85,49 +100,86 @@ class Family:
         return getattr(diffusers, self.model_class_name)
 
     @property
+    def cache_block_metadata(self) -> dict[str, tuple]:
+        """Step-cache metadata for block classes diffusers has none for (`CACHE_BLOCK_METADATA` in the plan file)."""
+        return getattr(self.plan_module, "CACHE_BLOCK_METADATA", {})
+
+    @property
     def has_tiny(self) -> bool:
         """Whether `tiny/<name>.py` builds a tiny random pipeline of the family (every family with an adapter)."""
-        return self.adapter is not None
+        return self.adapter_class is not None
 
     @property
     def tiny_module(self) -> ModuleType:
         """`tiny/<name>.py`, imported on demand: it imports the family's whole stock pipeline and text encoders."""
         if not self.has_tiny:
             raise ValueError(f"There is no tiny pipeline of {self.display_name}: only its tensor-parallel plan ships.")
-        return importlib.import_module(f"{__package__}.tiny.{self.name}")
+        return self.module("tiny")
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("flux", "FLUX.1", FluxAdapter, "black-forest-labs/FLUX.1-dev", (
+    Family("flux", "FLUX.1", "FluxAdapter", "black-forest-labs/FLUX.1-dev", (
         PipelineClass("FluxPipeline", named_cfg_branches=True),
         PipelineClass("FluxKontextPipeline"),
         PipelineClass("FluxImg2ImgPipeline"),
         PipelineClass("FluxInpaintPipeline"),
     )),
-    Family("flux2", "FLUX.2", Flux2Adapter, "black-forest-labs/FLUX.2-dev", (
+    Family("flux2", "FLUX.2", "Flux2Adapter", "black-forest-labs/FLUX.2-dev", (
         PipelineClass("Flux2Pipeline", references=True),
     )),
-    Family("qwenimage", "Qwen-Image", QwenImageAdapter, "Qwen/Qwen-Image", (
+    Family("qwenimage", "Qwen-Image", "QwenImageAdapter", "Qwen/Qwen-Image", (
         PipelineClass("QwenImagePipeline", named_cfg_branches=True),
         PipelineClass("QwenImageEditPlusPipeline", references=True, named_cfg_branches=True, tiny="qwenimage_edit"),
     )),
-    Family("qwenimage21", "Qwen-Image-2.1", QwenImage21Adapter, "Qwen/Qwen-Image-2.1", (
+    Family("qwenimage21", "Qwen-Image-2.1", "QwenImage21Adapter", "Qwen/Qwen-Image-2.1", (
         PipelineClass("QwenImage21Pipeline", references=True, named_cfg_branches=True),
     )),
-    Family("h3", "MiniMax-H3", MiniMaxH3Adapter, "MiniMaxAI/MiniMax-H3", (PipelineClass("MiniMaxH3Blocks"),)),
+    Family("h3", "MiniMax-H3", "MiniMaxH3Adapter", "MiniMaxAI/MiniMax-H3", (PipelineClass("MiniMaxH3Blocks"),)),
     # The worked example of docs/authoring.md: a plan, no pipeline.
     Family("hunyuanvideo", "HunyuanVideo"),
 )
 
+
+
+def _pipeline_families() -> tuple[str, ...]:
+    return tuple(family.name for family in FAMILIES if family.adapter_class is not None)
+
+
+def _tiny_checkpoints() -> tuple[str, ...]:
+    further = (p.tiny for family in FAMILIES for p in family.pipelines if p.tiny is not None)
+    return PIPELINE_FAMILIES + tuple(dict.fromkeys(name for name in further if name not in PIPELINE_FAMILIES))
+
+
 #: The families whose pipelines run here (a tiny checkpoint, `generate`), in registry order.
-PIPELINE_FAMILIES: tuple[str, ...] = tuple(family.name for family in FAMILIES if family.adapter is not None)
+PIPELINE_FAMILIES: tuple[str, ...] = _pipeline_families()
 
 #: Every tiny checkpoint `tiny/` builds: one per pipeline family, then those of further verified classes.
-TINY_CHECKPOINTS: tuple[str, ...] = PIPELINE_FAMILIES + tuple(
-    p.tiny for family in FAMILIES for p in family.pipelines if p.tiny is not None and p.tiny not in PIPELINE_FAMILIES
-)
+TINY_CHECKPOINTS: tuple[str, ...] = _tiny_checkpoints()
 
 _BY_NAME = {family.name: family for family in FAMILIES}
+
+
+def register(family: Family) -> Family:
+    """Add `family` to the registry (a package of one's own, `Family(..., package="my_pkg")`; ours are listed in
+    `FAMILIES` above). Every lookup below, the CLI's family names and the tiny builds then know it; returns it."""
+    global FAMILIES, PIPELINE_FAMILIES, TINY_CHECKPOINTS
+    if family.name in _BY_NAME:
+        if _BY_NAME[family.name] == family:
+            return family
+        raise ValueError(f"A family called '{family.name}' is registered already ({_BY_NAME[family.name]}). "
+                         "Give the new one another name.")
+    FAMILIES = (*FAMILIES, family)
+    _BY_NAME[family.name] = family
+    PIPELINE_FAMILIES, TINY_CHECKPOINTS = _pipeline_families(), _tiny_checkpoints()
+    return family
+
+
+def _cache_block_metadata() -> dict[str, tuple]:
+    """Every family's `CACHE_BLOCK_METADATA`, for the step cache (which never names a family)."""
+    return {name: metadata for family in FAMILIES for name, metadata in family.cache_block_metadata.items()}
+
+
+blocks.add_cache_metadata_source(_cache_block_metadata)
 
 
 def get(name: str) -> Family:
@@ -143,7 +195,7 @@ def is_family(name: str) -> bool:
 
 def by_pipeline_class(class_name: str) -> Family | None:
     """The family whose verified pipeline classes include `class_name` (None if none does)."""
-    return next((f for f in FAMILIES if f.adapter is not None and any(p.name == class_name for p in f.pipelines)),
+    return next((f for f in FAMILIES if f.adapter_class is not None and any(p.name == class_name for p in f.pipelines)),
                 None)
 
 

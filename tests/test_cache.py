@@ -285,3 +285,20 @@ def test_compare_explains_a_size_mismatch_and_missing_scikit_image(tmp_path, cap
     monkeypatch.setitem(sys.modules, "skimage.metrics", None)
     assert cli_main(["compare", str(tmp_path / "a.png"), str(tmp_path / "a.png")]) == 2
     assert "pip install 'neuron-diffusers[quality]'" in capsys.readouterr().err
+
+
+def test_block_metadata_comes_from_the_family_files():
+    """Each family's `CACHE_BLOCK_METADATA` reaches the cache through the registry; the old name still reads it."""
+    import warnings
+
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21TransformerBlock
+
+    from neuron_diffusers.parallel import cache
+    from neuron_diffusers.parallel.blocks import cache_metadata_for
+    from neuron_diffusers.tools.plan.meta import meta_transformer
+
+    assert cache_metadata_for(meta_transformer("qwenimage21").module, QwenImage21TransformerBlock) == (0, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cache.OWN_BLOCK_METADATA["MiniMaxH3TransformerBlock"] == (0, None)
+    assert caught[0].category is DeprecationWarning

@@ -6,6 +6,7 @@ exactly into length buckets (their defaults: nothing is passed to `load_pipeline
 
 import pytest
 import rank_jobs
+import torch
 
 from neuron_diffusers import tiny
 from neuron_diffusers.compile import resolve_backend
@@ -80,3 +81,16 @@ def test_backend_resolution():
     assert resolve_backend("auto") in ("neuron", "inductor")
     with pytest.raises(ValueError, match="Unknown torch.compile backend 'no-such'.*Registered:.*inductor"):
         resolve_backend("no-such")
+
+
+def test_block_classes_are_matched_by_class_not_by_name():
+    """Names resolve to the classes the model's own module defines; a same-named class elsewhere does not match."""
+    from neuron_diffusers.parallel.blocks import block_types_of
+    from neuron_diffusers.tools.plan.meta import meta_transformer
+
+    model = meta_transformer("flux").module
+    types = block_types_of(model, ["FluxTransformerBlock", "NoSuchBlock"])
+    assert [cls.__module__ for cls in types] == ["diffusers.models.transformers.transformer_flux"]
+    impostor = type("FluxTransformerBlock", (torch.nn.Module,), {})
+    assert sum(isinstance(m, types) for m in model.modules()) == len(model.transformer_blocks)
+    assert not isinstance(impostor(), types)

@@ -36,16 +36,20 @@ Every diffusers-private access (block registry, hook names, decision points) goe
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import diffusers
 import torch
 import torch.distributed as dist
+from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 from diffusers.hooks import HookRegistry, ModelHook
 
 from ..compat import cache as compat_cache
 from ..compat.cache import FLUX_MAG_RATIOS
+from .blocks import block_types_of, cache_metadata_for, cache_metadata_names
+from .coalesce import stock_class
 
 #: Caches whose decisions this module shares or records, by config class name.
 SUPPORTED = ("FirstBlockCacheConfig", "TaylorSeerCacheConfig", "MagCacheConfig")
@@ -57,8 +61,6 @@ REFUSED = {
     "FasterCacheConfig": "its decisions come from a timestep callback that the runner cannot share yet",
     "TextKVCacheConfig": "it caches text keys and values, not denoising steps (Qwen-Image-2.1 has its own KV cache)",
 }
-#: Block classes without diffusers metadata in 0.42.1: each returns its `hidden_states` alone.
-OWN_BLOCK_METADATA = {"QwenImage21TransformerBlock": (0, None), "MiniMaxH3TransformerBlock": (0, None)}
 #: `--cache NAME:...` on the command line -> diffusers config class.
 CLI_NAMES = {"first-block": "FirstBlockCacheConfig", "taylorseer": "TaylorSeerCacheConfig", "mag": "MagCacheConfig"}
 #: The named diffusers hook on the transformer that counts forwards.
@@ -71,15 +73,16 @@ def check_cache_config(config) -> None:
     if name in REFUSED:
         raise ValueError(f"{name} is not supported with neuron_diffusers: {REFUSED[name]}. Use one of "
                          f"{', '.join(SUPPORTED)}.")
-    if name not in SUPPORTED or not type(config).__module__.startswith("diffusers."):
+    supported = (FirstBlockCacheConfig, TaylorSeerCacheConfig, MagCacheConfig)
+    if not isinstance(config, supported) or not type(config).__module__.startswith("diffusers."):
         raise ValueError(f"`cache` takes a diffusers cache config ({', '.join(SUPPORTED)}), got {name}.")
-    if name == "FirstBlockCacheConfig":
+    if isinstance(config, FirstBlockCacheConfig):
         threshold = config.threshold
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
                 or threshold < 0:
             raise ValueError(f"FirstBlockCacheConfig(threshold={threshold!r}): the threshold is a relative change "
                              "of the first block's residual, a finite number >= 0 (0 never skips; 0.05-0.2 typical).")
-    if name == "TaylorSeerCacheConfig":
+    if isinstance(config, TaylorSeerCacheConfig):
         for key, minimum, why in (("cache_interval", 1, "the steps between full computations"),
                                   ("disable_cache_before_step", 1, "at least the first step must compute"),
                                   ("max_order", 0, "the order of the Taylor expansion")):
@@ -284,10 +287,9 @@ class GroupCache:
         return shared
 
     def _wrap_decisions(self) -> None:
-        name = type(self.config).__name__
-        if name == "FirstBlockCacheConfig":
+        if isinstance(self.config, FirstBlockCacheConfig):
             compat_cache.wrap_first_block_decisions(self.transformer, self._first_block_decision)
-        elif name == "TaylorSeerCacheConfig":
+        elif isinstance(self.config, TaylorSeerCacheConfig):
             record = lambda context, computed: self._record(context, computed, computed)  # noqa: E731
             if not compat_cache.wrap_taylorseer_decisions(self.transformer, record):
                 raise ValueError(
@@ -303,7 +305,7 @@ class GroupCache:
         decided, self._forward = self._forward, None
         if not self._enabled:
             return
-        if type(self.config).__name__ == "MagCacheConfig":
+        if isinstance(self.config, MagCacheConfig):
             context, computed = compat_cache.mag_cache_decision(self.transformer)
             self._record(context, computed, computed)
             decided = [computed]
@@ -314,7 +316,8 @@ class GroupCache:
 
     def check_compilable(self, block_classes: list[str]) -> None:
         """Refuse to compile blocks that hold a cache hook inside them: its decision would land in their graphs."""
-        blocks = [name for name, module in self.transformer.named_modules() if type(module).__name__ in block_classes]
+        block_types = block_types_of(self.transformer, block_classes)
+        blocks = [name for name, module in self.transformer.named_modules() if isinstance(module, block_types)]
         inside = [name for name in compat_cache.cache_hooked_modules(self.transformer)
                   if any(name.startswith(f"{block}.") for block in blocks)]
         if inside:
@@ -367,7 +370,7 @@ def group_cache_of(transformer: torch.nn.Module) -> GroupCache | None:
 
 def _register_block_metadata(transformer: torch.nn.Module, config) -> None:
     """Give every hooked block class the metadata FirstBlockCache and MagCache read (before they look it up)."""
-    if type(config).__name__ not in ("FirstBlockCacheConfig", "MagCacheConfig"):
+    if not isinstance(config, (FirstBlockCacheConfig, MagCacheConfig)):
         return
     blocks = compat_cache.cache_blocks(transformer)
     if not blocks:
@@ -377,20 +380,20 @@ def _register_block_metadata(transformer: torch.nn.Module, config) -> None:
         if compat_cache.block_metadata(cls) is not None:
             continue
         # `coalesce` swaps a block to a same-named subclass with a reordered forward of the same signature.
-        stock = next((base for base in cls.__mro__[1:]
-                      if base.__name__ == cls.__name__ and compat_cache.block_metadata(base) is not None), None)
-        if stock is not None:
+        stock = stock_class(cls)
+        if stock is not cls and compat_cache.block_metadata(stock) is not None:
             compat_cache.inherit_block_metadata(cls, stock)
             continue
-        if cls.__name__ not in OWN_BLOCK_METADATA:
+        own = cache_metadata_for(transformer, cls)
+        if own is None:
             raise ValueError(
                 f"{type(config).__name__} needs to know which output of {cls.__name__} is `hidden_states`, and "
-                f"diffusers has no metadata for it. Use TaylorSeerCacheConfig, or add {cls.__name__} to "
-                "neuron_diffusers.parallel.cache.OWN_BLOCK_METADATA."
+                f"diffusers has no metadata for it. Use TaylorSeerCacheConfig, or add {cls.__name__} to the "
+                "`CACHE_BLOCK_METADATA` of its family's tp_plans/<family>.py."
             )
-        compat_cache.register_block_metadata(cls, *OWN_BLOCK_METADATA[cls.__name__])
+        compat_cache.register_block_metadata(cls, *own)
     head, tail = (compat_cache.block_metadata(type(block)) for block in (blocks[0], blocks[-1]))
-    if type(config).__name__ == "FirstBlockCacheConfig" and (head[1] is None) != (tail[1] is None):
+    if isinstance(config, FirstBlockCacheConfig) and (head[1] is None) != (tail[1] is None):
         # FLUX.2: stock FirstBlockCache subtracts the head's (text, image) pair from the tail's one joined tensor.
         raise ValueError(
             f"FirstBlockCacheConfig cannot cache {type(transformer).__name__} in diffusers 0.42.1: its first block "
@@ -398,3 +401,12 @@ def _register_block_metadata(transformer: torch.nn.Module, config) -> None:
             f"({type(blocks[-1]).__name__}) returns them joined, which the cache's residual arithmetic does not "
             "handle (it fails at the first step). Use MagCacheConfig or TaylorSeerCacheConfig for this model."
         )
+
+
+def __getattr__(name: str):
+    """`OWN_BLOCK_METADATA` moved into each family's `tp_plans/<family>.py` (`CACHE_BLOCK_METADATA`)."""
+    if name == "OWN_BLOCK_METADATA":
+        warnings.warn("neuron_diffusers.parallel.cache.OWN_BLOCK_METADATA is deprecated: block metadata lives in each "
+                      "family's tp_plans/<family>.py as CACHE_BLOCK_METADATA.", DeprecationWarning, stacklevel=2)
+        return cache_metadata_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -232,11 +232,14 @@ def _with_forward(module: torch.nn.Module, forward) -> None:
     module.__class__ = _SUBCLASSES[key]
 
 
-def _stock_class(cls: type) -> type:
+def stock_class(cls: type) -> type:
     """The class a module had before `_with_forward` (a model already sharded still names its stock blocks)."""
     while cls in _SUBCLASSES.values():
         cls = cls.__base__
     return cls
+
+
+_stock_class = stock_class
 
 
 #: Block class name -> (coalesced forward, the partial Linears it reduces together (relative to the block), and a

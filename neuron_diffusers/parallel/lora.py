@@ -274,7 +274,7 @@ def _family_hint(model_class: type):
 
     def hint(missing: list[str]) -> str:
         for family in families.FAMILIES:
-            if family.model_class_name == model_class.__name__:
+            if issubclass(model_class, family.model_class()):
                 continue
             rules = [re.compile(re.escape(rule).replace(r"\*", r"\d+")) for rule in family.plan]
             if any(rule.fullmatch(name) for name in missing for rule in rules):

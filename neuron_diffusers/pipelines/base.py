@@ -33,7 +33,7 @@ from ..media import read_png_text, save_png
 
 logger = logging.getLogger(__name__)
 
-if TYPE_CHECKING:  # the checkpoint module looks adapters up through `families`, which imports this one
+if TYPE_CHECKING:  # annotations only: `checkpoint` reads this module's helpers
     from ..checkpoint import Checkpoint
     from ..families import PipelineClass
 

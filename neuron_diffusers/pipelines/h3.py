@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import diffusers
 import torch
 from diffusers import ModularPipeline
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
 from diffusers.modular_pipelines import SequentialPipelineBlocks
 
 from ..media import VideoWithAudio, read_video_text, save_video
@@ -61,7 +62,7 @@ class PackedSequencePadding:
         # Torch pre-hooks, compiler-disabled and shared by every block, so the compiled blocks keep one graph.
         self._handles = [transformer.register_forward_pre_hook(self._pad_layout, with_kwargs=True)]
         for module in transformer.modules():
-            if type(module).__name__ in MiniMaxH3Adapter.compiled_blocks:
+            if isinstance(module, MiniMaxH3TransformerBlock):  # the blocks `compiled_blocks` names
                 self._handles.append(module.register_forward_pre_hook(self._mask_keys, with_kwargs=True))
 
     @torch.compiler.disable  # layout bookkeeping before the compiled blocks, not part of them

@@ -20,10 +20,16 @@ import torch.distributed as dist
 
 from .. import families
 
-#: The families with a tiny pipeline (every family whose pipelines run here).
-FAMILIES = families.PIPELINE_FAMILIES
-#: Every tiny checkpoint: one per family, then those of further stock classes (`qwenimage_edit`).
-NAMES = families.TINY_CHECKPOINTS
+
+def __getattr__(name: str):
+    """`FAMILIES` (the families with a tiny pipeline: every family whose pipelines run here) and `NAMES` (every
+    tiny checkpoint: one per family, then those of further stock classes, `qwenimage_edit`), read from the registry
+    at each use, so a family registered later (`families.register`) is among them."""
+    if name == "FAMILIES":
+        return families.PIPELINE_FAMILIES
+    if name == "NAMES":
+        return families.TINY_CHECKPOINTS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _family_module(family: str):
@@ -114,7 +120,7 @@ def _build_in_subprocess(family: str, path: Path, seed: int) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Shell users spell checkpoint names with hyphens (`qwenimage-edit`); the registry's names are identifiers.
     parser.add_argument("family", type=lambda name: name.replace("-", "_"),
-                        help=f"one of: {', '.join(NAMES)} (hyphens for underscores also work)")
+                        help=f"one of: {', '.join(families.TINY_CHECKPOINTS)} (hyphens for underscores also work)")
     parser.add_argument("dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
 

@@ -30,6 +30,9 @@ from diffusers.hooks.tensor_parallel import PackedColwiseParallel
 from .styles import GatheredColwiseParallel
 
 MODEL_CLASS = "MiniMaxH3Transformer3DModel"
+#: Step-cache metadata diffusers 0.42.1 lacks for this block class: it returns its `hidden_states` alone (index 0,
+#: no separate `encoder_hidden_states`). FirstBlockCache and MagCache read it (`parallel/cache.py`).
+CACHE_BLOCK_METADATA = {"MiniMaxH3TransformerBlock": (0, None)}
 
 # Left replicated on purpose (shares of the full-size default config's parameters):
 # - time_embedder (256 -> 5376 -> 2688, float32 in the checkpoint): 0.05%, a tiny MLP on one

@@ -29,6 +29,9 @@ from ..compat.privates import ContextParallelInput, ContextParallelOutput
 from .styles import GatheredColwiseParallel
 
 MODEL_CLASS = "QwenImage21Transformer2DModel"
+#: Step-cache metadata diffusers 0.42.1 lacks for this block class: it returns its `hidden_states` alone (index 0,
+#: no separate `encoder_hidden_states`). FirstBlockCache and MagCache read it (`parallel/cache.py`).
+CACHE_BLOCK_METADATA = {"QwenImage21TransformerBlock": (0, None)}
 
 # Stock diffusers 0.42.1 `QwenImage21Transformer2DModel._tp_plan`, verbatim: the fewest collectives.
 PLAN = {

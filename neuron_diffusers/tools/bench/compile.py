@@ -36,6 +36,7 @@ from ... import tiny
 from ...checkpoint import resolve
 from ...compile import compile_repeated_blocks, compile_report, resolve_backend, warmup
 from ...distributed import init_distributed, mesh_device
+from ...parallel.blocks import block_types_of
 from ...runner import load_pipeline
 from ..plan.cases import recording_first_call
 from ..spawn import run_on_cpu_ranks
@@ -139,7 +140,8 @@ def _cold_compile(checkpoint, mesh, adapter, backend: str, call: tuple) -> dict:
     """
     transformer = _fresh_transformer(checkpoint, mesh)
     block_classes = getattr(adapter, "compiled_blocks", None) or transformer._repeated_blocks
-    blocks = Counter(type(m).__name__ for m in transformer.modules() if type(m).__name__ in block_classes)
+    block_types = block_types_of(transformer, block_classes)
+    blocks = Counter(type(m).__name__ for m in transformer.modules() if isinstance(m, block_types))
     result = {"blocks_per_class": dict(blocks), "eager_first_call_s": round(_first_call(transformer, call), 3)}
     for name in ("repeated_blocks", "whole_model"):
         torch._dynamo.reset()
