@@ -13,7 +13,7 @@ from .compat import install as _install
 from .compat import plans as _plans
 from .compat.plans import stock_plan, using_plan  # noqa: E402
 from .compile import compile_repeated_blocks, compile_report, warmup  # noqa: E402
-from .distributed import init_distributed, is_main_process, is_replica_leader, is_tp_leader, rank  # noqa: E402
+from .distributed import init_distributed, is_group_leader, is_main_process, is_replica_leader, is_tp_leader, rank  # noqa: E402
 from .parallel import context_qwenimage21  # noqa: E402
 from .runner import load_pipeline  # noqa: E402
 
@@ -37,5 +37,6 @@ def _register_families() -> None:
 _install.install()
 _register_families()
 
-__all__ = ["compile_report", "compile_repeated_blocks", "init_distributed", "is_main_process", "is_replica_leader",
-           "is_tp_leader", "load_pipeline", "rank", "stock_plan", "using_plan", "warmup", "__version__"]
+__all__ = ["compile_report", "compile_repeated_blocks", "init_distributed", "is_group_leader", "is_main_process",
+           "is_replica_leader", "is_tp_leader", "load_pipeline", "rank", "stock_plan", "using_plan", "warmup",
+           "__version__"]

@@ -92,7 +92,7 @@ def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", *, block
                             **torch_compile_kwargs):
     """Compile the transformer's repeated blocks in place; returns the transformer.
 
-    Takes a `TPPipeline`, a stock pipeline, or the transformer itself. `blocks` names the block classes to compile
+    Takes a `ParallelPipeline`, a stock pipeline, or the transformer itself. `blocks` names the block classes to compile
     (default: the pipeline adapter's choice, else the model's `_repeated_blocks`). `torch_compile_kwargs` override
     the defaults `fullgraph=True, dynamic=False`. Compile after `load_pipeline`: the TP hooks must be in place first.
     """
@@ -142,7 +142,8 @@ def _refuse_any_length(transformer: torch.nn.Module) -> None:
 
 
 def _warn_if_unbucketed(pipe) -> None:
-    """A `TPPipeline` whose text length varies and is not bucketed compiles a new graph for every prompt length."""
+    """A `ParallelPipeline` whose text length varies and is not bucketed compiles a new graph for every prompt
+    length."""
     adapter = getattr(pipe, "adapter", None)
     if adapter is None or adapter.static_text_length or pipe.buckets:
         return
@@ -155,7 +156,7 @@ def _warn_if_unbucketed(pipe) -> None:
 
 
 def _transformer_of(obj):
-    """The transformer of a `TPPipeline` (through its adapter), of a stock pipeline, or `obj` itself."""
+    """The transformer of a `ParallelPipeline` (through its adapter), of a stock pipeline, or `obj` itself."""
     if hasattr(obj, "adapter"):
         return obj.adapter.transformer_of(obj.pipe)
     if isinstance(getattr(obj, "transformer", None), torch.nn.Module):
@@ -169,7 +170,7 @@ def warmup(pipe, sizes: list[tuple[int, int]], buckets: tuple[int, ...] | None =
            on_recompile: str | None = "warn", **generate_kwargs) -> RecompileGuard | None:
     """Run one generation per (size, text-length bucket), so every graph is compiled before real requests.
 
-    `pipe` is a `TPPipeline`; `buckets` default to its own. Two denoising steps by default: the first and later
+    `pipe` is a `ParallelPipeline`; `buckets` default to its own. Two denoising steps by default: the first and later
     steps can differ (Qwen-Image-2.1 fills its text KV cache on the first). Every rank of the group must call it,
     like `generate`. Afterwards a `RecompileGuard` watches the transformer (`on_recompile`: "warn", "raise", or
     None for no guard) and is returned.

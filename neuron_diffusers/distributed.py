@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -228,7 +229,7 @@ def image_group(mesh: DeviceMesh):
 
     Without context parallelism that is the TP group. With it, the group is created on first use for this mesh, by
     every rank of the world at once (a collective: call it on all ranks, as `load_pipeline` and the job do), with
-    public `new_subgroups_by_enumeration`; its rank 0 is the group's leader (`is_tp_leader`).
+    public `new_subgroups_by_enumeration`; its rank 0 is the group's leader (`is_group_leader`).
     """
     names = mesh.mesh_dim_names or ()
     if "ring" not in names and "ulysses" not in names:
@@ -269,10 +270,17 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
-def is_tp_leader(mesh: DeviceMesh) -> bool:
+def is_group_leader(mesh: DeviceMesh) -> bool:
     """Rank 0 of this process's image group (its TP group; with context parallelism its TP x ring x Ulysses ranks):
     the one that encodes, decodes and saves for the group."""
     return all(dim_rank(mesh, name) == 0 for name in IMAGE_DIMS)
+
+
+def is_tp_leader(mesh: DeviceMesh) -> bool:
+    """Deprecated name of `is_group_leader` (the image group's leader, TP x ring x Ulysses); kept one release."""
+    warnings.warn("`is_tp_leader` is now `is_group_leader`: the leader of the whole image group, not only of TP.",
+                  DeprecationWarning, stacklevel=2)
+    return is_group_leader(mesh)
 
 
 def cfg_size(mesh: DeviceMesh) -> int:
@@ -287,7 +295,7 @@ def cfg_rank(mesh: DeviceMesh) -> int:
 
 def is_replica_leader(mesh: DeviceMesh) -> bool:
     """The TP leader of CFG rank 0: the one rank of its replica that `generate` returns outputs on."""
-    return is_tp_leader(mesh) and cfg_rank(mesh) == 0
+    return is_group_leader(mesh) and cfg_rank(mesh) == 0
 
 
 def broadcast_object_from_replica_leader(obj, mesh: DeviceMesh):

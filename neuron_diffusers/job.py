@@ -54,9 +54,9 @@ from .distributed import (
     detect_runtime,
     image_group,
     init_distributed,
+    is_group_leader,
     is_main_process,
     is_replica_leader,
-    is_tp_leader,
     leave_together,
 )
 from .launch import (
@@ -597,7 +597,7 @@ def _lock_out_dir(plan: JobPlan) -> JobLock | None:
 
 def _run_locked(plan: JobPlan, mesh, overwrite: bool, compile_backend: str | None, warm: bool) -> dict | None:
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    leader = is_tp_leader(mesh)
+    leader = is_group_leader(mesh)
     mine = plan.requests[dp_rank::dp]
     # The replica's leader decides what is left to do (the replica writes into one folder) and tells the replica.
     todo = broadcast_object_from_replica_leader(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -44,8 +45,8 @@ from .distributed import (
     dim_size,
     image_group,
     init_distributed,
+    is_group_leader,
     is_replica_leader,
-    is_tp_leader,
     mesh_device,
     rank,
     replica_ranks,
@@ -81,7 +82,7 @@ _OWNED_KWARGS = {
 
 
 @dataclass
-class TPPipeline:
+class ParallelPipeline:
     """A stock diffusers pipeline whose transformer is split over the mesh's image group (TP, and context parallelism
     when the mesh has "ring" / "ulysses" dimensions).
 
@@ -123,7 +124,7 @@ class TPPipeline:
 
     @property
     def is_leader(self) -> bool:
-        return is_tp_leader(self.mesh)
+        return is_group_leader(self.mesh)
 
     def set_loras(self, loras) -> None:
         """Make `loras` (`[(path_or_hub_id, scale), ...]`) the active LoRA set, fused into every rank's shard in place
@@ -431,7 +432,7 @@ def load_pipeline(
     parallel_vae: bool | None = None,
     plan: str = "default",
     transformer: torch.nn.Module | None = None,
-) -> TPPipeline:
+) -> ParallelPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
     `model` is a checkpoint folder, a Hub id, a tiny family name, an already resolved `Checkpoint`, or a `LaunchSpec`
@@ -441,7 +442,7 @@ def load_pipeline(
     text encoder (on CPU) and the VAE; on a mesh with a `cfg` dimension each image group of a CFG pair has its own
     leader, so the pair can split requests that do not use true CFG. `buckets` overrides the family's static text
     lengths (`()` turns padding off). `loras` (`[(path_or_hub_id, scale), ...]`) are read and checked before any
-    weight is read, then fused into each rank's shard (see `TPPipeline.set_loras`).
+    weight is read, then fused into each rank's shard (see `ParallelPipeline.set_loras`).
 
     Under context parallelism the padding (text buckets, MiniMax-H3's packed rows) is rounded up to multiples of
     ulysses x ring, and `generate` refuses image sizes whose token count does not split, naming sizes that do;
@@ -500,11 +501,11 @@ class _Recipe:
         self.checkpoint, self.adapter = spec.checkpoint, spec.checkpoint.adapter
         self.device = mesh_device(mesh)
         image_group(mesh)  # created here, where every rank comes: creating it is a collective over the world
-        self.leader = is_tp_leader(mesh)
+        self.leader = is_group_leader(mesh)
         self.degree = context_degree(mesh)
         self.times = PhaseTimes()
 
-    def run(self, transformer: torch.nn.Module | None) -> TPPipeline:
+    def run(self, transformer: torch.nn.Module | None) -> ParallelPipeline:
         self.context_parallel_mode()
         transformer = self.shard_transformer(transformer)
         self.install_cache(transformer)
@@ -573,8 +574,8 @@ class _Recipe:
         if self.mode is not None and self.mode.pad and not self.mode.any_length:
             self.adapter.configure_context_parallel(pipe, self.degree)
 
-    def assemble(self, pipe, encoder, follower_vae, handle) -> TPPipeline:
-        """The `TPPipeline`, once the image group has finished loading together."""
+    def assemble(self, pipe, encoder, follower_vae, handle) -> ParallelPipeline:
+        """The `ParallelPipeline`, once the image group has finished loading together."""
         # Per-step bars only where someone reads them; other ranks keep their stdout for real messages.
         pipe.set_progress_bar_config(disable=rank() != 0)
         # The leader loads more (text encoder, VAE) than the others: the group leaves together, so the first call's
@@ -582,12 +583,20 @@ class _Recipe:
         # a job gives a CFG pair's second group nothing to load when every request it has left is made by the first.)
         CallEntry(replica_ranks(self.mesh, with_cfg=False), "load_pipeline", timeout_s=None).enter(
             [self.checkpoint.source, str(self.torch_dtype)])
-        return TPPipeline(self.adapter, pipe, encoder, self.mesh, self.buckets, self.times,
+        return ParallelPipeline(self.adapter, pipe, encoder, self.mesh, self.buckets, self.times,
                           checkpoint=self.checkpoint, cp_mode=self.mode, follower_vae=follower_vae,
                           size_limits=self.adapter.size_limits(self.checkpoint), parallel_vae=handle)
 
-    def fuse_loras(self, pipeline: TPPipeline) -> None:
+    def fuse_loras(self, pipeline: ParallelPipeline) -> None:
         """The LoRAs read at planning, fused into each rank's final shards (no file is read again)."""
         if self.spec.loras:
             with self.times.phase("fuse LoRAs"):
                 pipeline.set_loras(list(self.spec.loras))
+
+
+def __getattr__(name: str):
+    """`TPPipeline`, the old name of `ParallelPipeline` (it runs context and CFG parallelism too), kept one release."""
+    if name == "TPPipeline":
+        warnings.warn("`TPPipeline` is now `ParallelPipeline`.", DeprecationWarning, stacklevel=2)
+        return ParallelPipeline
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

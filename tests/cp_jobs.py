@@ -284,7 +284,7 @@ def runner_job(checkpoints: dict, calls: dict, jobs: dict, cfg_call: dict) -> di
 
     torch.set_num_threads(1)
     mesh = nd.init_distributed(tp=2, ulysses=2)
-    report = {"mesh": (mesh.mesh_dim_names, tuple(mesh.shape)), "leader": nd.is_tp_leader(mesh),
+    report = {"mesh": (mesh.mesh_dim_names, tuple(mesh.shape)), "leader": nd.is_group_leader(mesh),
               "group": dist.get_process_group_ranks(image_group(mesh)), "generate": {}}
     for family, checkpoint in checkpoints.items():
         pipe = nd.load_pipeline(checkpoint, mesh)

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from ..distributed import is_replica_leader
 from ..media import png_bytes
 from ..parallel.lora import LoraSpec
-from ..runner import TPPipeline
+from ..runner import ParallelPipeline
 from .channel import Channel
 
 
-def serve_replica(pipe: TPPipeline, channel: Channel, give_up: Callable[[], bool] = lambda: False) -> int:
+def serve_replica(pipe: ParallelPipeline, channel: Channel, give_up: Callable[[], bool] = lambda: False) -> int:
     """Make tasks until the stop task comes; returns how many were made. `give_up` ends a wait for the next task
     (a `TimeoutError`), e.g. when a SIGTERM came and rank 0 did not say stop in time."""
     leader = is_replica_leader(pipe.mesh)
@@ -39,7 +39,7 @@ def serve_replica(pipe: TPPipeline, channel: Channel, give_up: Callable[[], bool
             channel.send_result(number, result)
 
 
-def make(pipe: TPPipeline, task: dict, leader: bool) -> dict | None:
+def make(pipe: ParallelPipeline, task: dict, leader: bool) -> dict | None:
     """One task's `generate` call; the leader returns the answer: PNG bytes (with the task's text chunks) and the
     seconds per phase, or the error every rank raised."""
     before = dict(pipe.times.seconds)
@@ -50,7 +50,7 @@ def make(pipe: TPPipeline, task: dict, leader: bool) -> dict | None:
                                 **task["kwargs"], **image_inputs(task))
     except dist.DistError:  # a peer is gone: nothing is left to agree with
         raise
-    except Exception as error:  # the same on every rank of the replica (see `TPPipeline.generate`)
+    except Exception as error:  # the same on every rank of the replica (see `ParallelPipeline.generate`)
         return {"error": error_record(error)} if leader else None
     if not leader:
         return None
@@ -62,7 +62,7 @@ def make(pipe: TPPipeline, task: dict, leader: bool) -> dict | None:
     return {"images": images, "phases": phases}
 
 
-def _select_loras(pipe: TPPipeline, loras) -> None:
+def _select_loras(pipe: ParallelPipeline, loras) -> None:
     """Fuse the task's LoRAs when they are not the ones fused now (`set_loras` switches in place, agreed by the
     replica's ranks: a LoRA that fails fails alike on all of them and leaves the previous set)."""
     wanted = [LoraSpec(source, scale) for source, scale in loras]
