@@ -220,18 +220,24 @@ def _inside(path: str, prefixes) -> bool:
 
 
 def _mlp_styles(linears: list[tuple[str, torch.nn.Linear]]) -> dict[str, object] | None:
-    """Styles for an MLP's Linears: one down projection (hidden -> width) and one up projection (width -> hidden;
-    width -> 2 x hidden when gated: packed halves) or two (value and gate: width -> hidden each). Shapes alone
-    cannot tell a pair's up from its down, so the later-registered one is tried as the down first (as every MLP
-    here registers it). None when the shapes are not one of these."""
-    for down_path, down in reversed(linears):
+    """Styles for an MLP's Linears: an up projection (width -> hidden; width -> 2 x hidden when gated: packed
+    halves) then a down projection (hidden -> width), in registration order (shapes alone cannot tell a pair's up
+    from its down); or two equal up projections (value and gate, any order) and the down projection that reads their
+    hidden. None when the shapes are not one of these."""
+    if len(linears) == 2:
+        (up_path, up), (down_path, down) = linears
+        if up.in_features != down.out_features:
+            return None
+        if up.out_features == down.in_features:
+            return {up_path: "colwise", down_path: "rowwise"}
+        if up.out_features == 2 * down.in_features:
+            return {up_path: PackedColwiseParallel([1, 1]), down_path: "rowwise"}
+        return None
+    for down_path, down in linears:
         ups = [(p, m) for p, m in linears if m is not down]
-        if not all(m.in_features == down.out_features for _, m in ups):
-            continue
-        if all(m.out_features == down.in_features for _, m in ups):
+        if all(m.in_features == down.out_features and m.out_features == down.in_features for _, m in ups) \
+                and down.in_features != down.out_features:
             return {**{p: "colwise" for p, _ in ups}, down_path: "rowwise"}
-        if len(ups) == 1 and ups[0][1].out_features == 2 * down.in_features:
-            return {ups[0][0]: PackedColwiseParallel([1, 1]), down_path: "rowwise"}
     return None
 
 

@@ -1,0 +1,169 @@
+"""A tiny random instance of any transformer class and one forward call of it, to prove a draft by numbers.
+
+The config is the class's own default config shrunk by one rule over its keys: block counts to 2, heads to 4 of 16
+features, every width that scales with the model to the same share of the tiny inner width, rotary axes (a tuple
+summing to the head size) rescaled to the tiny head. The forward inputs come from the forward signature's parameter
+names and the config (latents, text states, timestep, pooled text, position ids, guidance). Where a class needs more
+than the rule, the exception is a line of data in `CONFIG_EXCEPTIONS` / `INPUT_EXCEPTIONS`, not code.
+The latent layout (image `[B, C, H, W]`, video `[B, C, F, H, W]` or packed tokens `[B, S, C]`) is not in the
+signature, so each is tried in that order and the first that runs is the call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from ..tools.plan.cases import Case, predictions
+
+TINY_HEADS, TINY_HEAD_DIM, TINY_BLOCKS, BATCH, TEXT_LEN = 4, 16, 2, 2, 8
+_BLOCKS = re.compile(r"^(num_)?(\w+_)?(layers|blocks|depth)$")
+_HEADS = re.compile(r"^(num_)?(\w+_)?heads$")
+_HEAD_DIM = re.compile(r"^(\w+_)?head_dim$")
+_WIDTH = re.compile(r"(dim|dims|size|channels|features|width)$")
+#: Keys that end like a width but are positions, patch geometry or table sizes: never scaled.
+_KEEP = re.compile(r"sample_size|patch_size|max_|pos_embed|freq|num_positions|seq_len|vocab|rope_theta|_len$")
+#: Config keys that hold the text states' width, most specific first.
+TEXT_KEYS = ("joint_attention_dim", "text_embed_dim", "text_dim", "caption_channels", "cross_attention_dim",
+             "context_in_dim", "text_hidden_dim", "encoder_hidden_dim", "text_states_dim")
+#: Per-class config values the rule cannot derive (data, not code): class -> {key: value}.
+CONFIG_EXCEPTIONS: dict[str, dict] = {
+    "HunyuanVideoTransformer3DModel": {"rope_axes_dim": (4, 6, 6)},
+}
+#: Per-class forward inputs the rule cannot derive: class -> {parameter: value or shape}.
+INPUT_EXCEPTIONS: dict[str, dict] = {}
+
+
+def _scaled_axes(value, head_dim: int):
+    """Rotary axes (even parts summing to the head size) rescaled to the tiny head size."""
+    parts = [max(2, 2 * round(v * TINY_HEAD_DIM / head_dim / 2)) for v in value]
+    parts[-1] += TINY_HEAD_DIM - sum(parts)
+    return type(value)(parts) if parts[-1] > 0 else value
+
+
+def _shrunk_value(key: str, value, heads: int | None, head_dim: int | None):
+    """The tiny value of one config entry (unchanged where the rule has nothing to say)."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int) and _BLOCKS.match(key):
+        return min(value, TINY_BLOCKS)
+    if isinstance(value, int) and _HEADS.match(key) and heads:
+        return max(1, value * TINY_HEADS // heads) if value < heads else TINY_HEADS
+    if isinstance(value, int) and _HEAD_DIM.match(key):
+        return TINY_HEAD_DIM
+    inner = heads * head_dim if heads and head_dim else None
+    if isinstance(value, (tuple, list)) and head_dim and value and all(isinstance(v, int) for v in value) \
+            and sum(value) == head_dim:
+        return _scaled_axes(value, head_dim)
+    if isinstance(value, int) and inner and value >= 128 and _WIDTH.search(key) and not _KEEP.search(key):
+        return max(16, 16 * math.ceil(value * TINY_HEADS * TINY_HEAD_DIM / inner / 16))
+    return value
+
+
+def _heads(config: dict) -> tuple[int | None, int | None]:
+    heads = next((v for k, v in config.items() if isinstance(v, int) and _HEADS.match(k)
+                  and "kv" not in k and "key_value" not in k), None)
+    head_dim = next((v for k, v in config.items() if isinstance(v, int) and _HEAD_DIM.match(k)), None)
+    if heads and not head_dim:
+        width = next((config[k] for k in ("hidden_size", "inner_dim", "dim", "hidden_dim") if
+                      isinstance(config.get(k), int)), None)
+        head_dim = width // heads if width and width % heads == 0 else None
+    return heads, head_dim
+
+
+def tiny_config(cls) -> dict:
+    """`cls`'s default config shrunk by the rule, then its exceptions applied."""
+    config = {k: v for k, v in dict(cls.load_config_defaults()).items() if not k.startswith("_")} \
+        if hasattr(cls, "load_config_defaults") else _default_config(cls)
+    heads, head_dim = _heads(config)
+    tiny = {key: _shrunk_value(key, value, heads, head_dim) for key, value in config.items()}
+    return {**tiny, **CONFIG_EXCEPTIONS.get(cls.__name__, {})}
+
+
+def _default_config(cls) -> dict:
+    """The defaults of the class's `__init__` (what `cls()` builds)."""
+    signature = inspect.signature(cls.__init__)
+    return {name: p.default for name, p in signature.parameters.items()
+            if name != "self" and p.default is not inspect.Parameter.empty
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _config_int(config, *keys, default=None):
+    return next((config[k] for k in keys if isinstance(config.get(k), int) and not isinstance(config[k], bool)),
+                default)
+
+
+def _patch(config) -> tuple[int, int]:
+    patch = config.get("patch_size", 1)
+    patch = patch if isinstance(patch, int) else (patch[-1] if patch else 1)
+    temporal = config.get("patch_size_t") or (config["patch_size"][0] if isinstance(config.get("patch_size"),
+                                                                                     (tuple, list)) else 1)
+    return patch or 1, temporal or 1
+
+
+def _latents(layout: str, config, generator) -> torch.Tensor:
+    channels = _config_int(config, "in_channels", "in_dim", "input_dim", "latent_channels", default=16)
+    patch, temporal = _patch(config)
+    side = 4 * patch
+    shapes = {"image": (BATCH, channels, side, side), "video": (BATCH, channels, 2 * temporal, side, side),
+              "tokens": (BATCH, 16, channels)}
+    return torch.randn(*shapes[layout], generator=generator)
+
+
+def _builders(config, layout, generator) -> dict:
+    """Inputs by parameter name (callables, built only for the parameters the forward takes)."""
+    text = _config_int(config, *TEXT_KEYS, default=32)
+    pooled = _config_int(config, "pooled_projection_dim", "pooled_dim", default=32)
+    tokens = 16 if layout == "tokens" else None
+    return {
+        "hidden_states": lambda: _latents(layout, config, generator),
+        "encoder_hidden_states": lambda: torch.randn(BATCH, TEXT_LEN, text, generator=generator),
+        "timestep": lambda: torch.tensor([500.0, 250.0]),
+        "pooled_projections": lambda: torch.randn(BATCH, pooled, generator=generator),
+        "guidance": lambda: torch.tensor([3.5, 3.5]),
+        "img_ids": lambda: torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(
+            (tokens or 16) // 4.0), indexing="ij"), -1).reshape(-1, 3),
+        "txt_ids": lambda: torch.zeros(TEXT_LEN, 3),
+    }
+
+
+def forward_inputs(model: torch.nn.Module, layout: str, generator: torch.Generator) -> dict:
+    """The call for `layout`: every required forward parameter (a `ValueError` names one it cannot build) and the
+    optional conditioning it can."""
+    config = dict(model.config)
+    builders = _builders(config, layout, generator)
+    kwargs = {}
+    for name, param in inspect.signature(model.forward).parameters.items():
+        if name in INPUT_EXCEPTIONS.get(type(model).__name__, {}):
+            kwargs[name] = INPUT_EXCEPTIONS[type(model).__name__][name]
+        elif name in builders:
+            kwargs[name] = builders[name]()
+        elif param.default is inspect.Parameter.empty and param.kind not in (param.VAR_POSITIONAL,
+                                                                             param.VAR_KEYWORD):
+            raise ValueError(f"cannot synthesize the forward input '{name}' (no rule for it: add an "
+                             "INPUT_EXCEPTIONS line)")
+    if "return_dict" in inspect.signature(model.forward).parameters:
+        kwargs["return_dict"] = False
+    return kwargs
+
+
+def tiny_case(cls, workdir: Path, seed: int = 0) -> Case:
+    """A tiny random `cls` saved under `workdir/transformer`, and the first latent layout whose forward runs."""
+    torch.manual_seed(seed)
+    model = cls.from_config(tiny_config(cls)).eval()
+    errors = []
+    for layout in ("image", "video", "tokens"):
+        try:
+            kwargs = forward_inputs(model, layout, torch.Generator().manual_seed(seed))
+            with torch.no_grad():
+                expected = predictions(model(**kwargs))
+        except Exception as error:  # the next layout may fit; all reasons are reported if none does
+            errors.append(f"{layout}: {type(error).__name__}: {str(error)[:160]}")
+            continue
+        model.save_pretrained(workdir / "transformer")
+        return Case(cls.__name__, workdir, (), kwargs, expected)
+    raise ValueError("no synthesized forward call runs the tiny model (" + "; ".join(errors) + ")")
