@@ -24,6 +24,8 @@ TINY_HEADS, TINY_HEAD_DIM, TINY_BLOCKS, BATCH, TEXT_LEN = 4, 16, 2, 2, 8
 _BLOCKS = re.compile(r"^(num_)?(\w+_)?(layers|blocks|depth)$")
 _HEADS = re.compile(r"^(num_)?(\w+_)?heads$")
 _HEAD_DIM = re.compile(r"^(\w+_)?head_dim$")
+#: Keys that hold the model's width when the config names no head size (width = heads x head size).
+_MODEL_WIDTH = re.compile(r"^\w+_dim$")
 _WIDTH = re.compile(r"(dim|dims|size|channels|features|width)$")
 #: Keys that end like a width but are positions, patch geometry or table sizes: never scaled.
 _KEEP = re.compile(r"sample_size|patch_size|max_|pos_embed|freq|num_positions|seq_len|vocab|rope_theta|_len$")
@@ -33,9 +35,23 @@ TEXT_KEYS = ("joint_attention_dim", "text_embed_dim", "text_dim", "caption_chann
 #: Per-class config values the rule cannot derive (data, not code): class -> {key: value}.
 CONFIG_EXCEPTIONS: dict[str, dict] = {
     "HunyuanVideoTransformer3DModel": {"rope_axes_dim": (4, 6, 6)},
+    # Learned/sincos positions sized for the sample: a sample as small as the tiny latents (2 latent frames).
+    "CogVideoXTransformer3DModel": {"sample_width": 8, "sample_height": 8, "sample_frames": 5,
+                                    "max_text_seq_length": TEXT_LEN},
+    "ConsisIDTransformer3DModel": {"sample_width": 8, "sample_height": 8, "sample_frames": 5,
+                                   "max_text_seq_length": TEXT_LEN},
+    "PRXTransformer2DModel": {"axes_dim": [8, 8]},  # None by default: derived from the full-size head
+    "WanVACETransformer3DModel": {"vace_layers": [0]},  # must name blocks the tiny model has
 }
-#: Per-class forward inputs the rule cannot derive: class -> {parameter: value or shape}.
-INPUT_EXCEPTIONS: dict[str, dict] = {}
+#: Per-class forward inputs the rule cannot derive: class -> {parameter: value, or a function of the generator}.
+INPUT_EXCEPTIONS: dict[str, dict] = {
+    "PixArtTransformer2DModel": {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}},
+    "WanVACETransformer3DModel": {"control_hidden_states": lambda g: torch.randn(BATCH, 96, 2, 8, 8, generator=g)},
+}
+#: Inputs passed even when the call is retried without the optional conditioning.
+CORE_INPUTS = ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids")
+#: The latent layouts tried, in order: image, video, video frames-first (CogVideoX-style), packed tokens.
+LAYOUTS = ("image", "video", "frames", "tokens")
 
 
 def _scaled_axes(value, head_dim: int):
@@ -69,8 +85,10 @@ def _heads(config: dict) -> tuple[int | None, int | None]:
                   and "kv" not in k and "key_value" not in k), None)
     head_dim = next((v for k, v in config.items() if isinstance(v, int) and _HEAD_DIM.match(k)), None)
     if heads and not head_dim:
-        width = next((config[k] for k in ("hidden_size", "inner_dim", "dim", "hidden_dim") if
-                      isinstance(config.get(k), int)), None)
+        named = [config.get(k) for k in ("hidden_size", "inner_dim", "dim", "hidden_dim", "model_dim")]
+        named += [v for k, v in config.items() if _MODEL_WIDTH.search(k)]  # then any "<x>_dim"
+        width = next((v for v in named if isinstance(v, int) and not isinstance(v, bool) and v >= 128
+                      and v % heads == 0), None)
         head_dim = width // heads if width and width % heads == 0 else None
     return heads, head_dim
 
@@ -110,40 +128,80 @@ def _latents(layout: str, config, generator) -> torch.Tensor:
     patch, temporal = _patch(config)
     side = 4 * patch
     shapes = {"image": (BATCH, channels, side, side), "video": (BATCH, channels, 2 * temporal, side, side),
-              "tokens": (BATCH, 16, channels)}
+              "frames": (BATCH, 2 * temporal, channels, side, side), "tokens": (BATCH, 16, channels)}
     return torch.randn(*shapes[layout], generator=generator)
+
+
+def _axes(config) -> int:
+    """How many position axes the rotary embedding has (its axes' tuple in the config), for position ids."""
+    return next((len(v) for k, v in config.items() if ("axes" in k or "rope" in k) and isinstance(v, (tuple, list))
+                 and v and all(isinstance(x, int) for x in v)), 3)
+
+
+def _ids(rows: int, axes: int) -> torch.Tensor:
+    ids = torch.zeros(rows, axes)
+    ids[:, -1] = torch.arange(rows) % 4
+    ids[:, -2 if axes > 1 else -1] = torch.arange(rows) // 4
+    return ids
+
+
+_TEXT = re.compile(r"(text|context|caption|cross|encoder).*(dim|channels)$")
+
+
+def _text_width(config) -> int:
+    """The text states' width: a known key, else any key that reads like one, else 32."""
+    known = _config_int(config, *TEXT_KEYS)
+    if known is not None:
+        return known
+    return next((v for k, v in config.items() if _TEXT.search(k) and isinstance(v, int) and not isinstance(v, bool)),
+                32)
 
 
 def _builders(config, layout, generator) -> dict:
     """Inputs by parameter name (callables, built only for the parameters the forward takes)."""
-    text = _config_int(config, *TEXT_KEYS, default=32)
+    text = _text_width(config)
     pooled = _config_int(config, "pooled_projection_dim", "pooled_dim", default=32)
-    tokens = 16 if layout == "tokens" else None
+    axes = _axes(config)
+    mask = lambda: torch.ones(BATCH, TEXT_LEN, dtype=torch.int64)  # noqa: E731
+    sizes = lambda: torch.tensor([[32.0, 32.0]] * BATCH)  # noqa: E731
     return {
         "hidden_states": lambda: _latents(layout, config, generator),
         "encoder_hidden_states": lambda: torch.randn(BATCH, TEXT_LEN, text, generator=generator),
         "timestep": lambda: torch.tensor([500.0, 250.0]),
         "pooled_projections": lambda: torch.randn(BATCH, pooled, generator=generator),
         "guidance": lambda: torch.tensor([3.5, 3.5]),
-        "img_ids": lambda: torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(
-            (tokens or 16) // 4.0), indexing="ij"), -1).reshape(-1, 3),
-        "txt_ids": lambda: torch.zeros(TEXT_LEN, 3),
+        "img_ids": lambda: _ids(16, axes),
+        "txt_ids": lambda: _ids(TEXT_LEN, axes) * 0,
+        "encoder_attention_mask": mask, "attention_mask": mask, "encoder_hidden_states_mask": mask,
+        "class_labels": lambda: torch.tensor([1, 2]),
+        "original_size": sizes, "target_size": sizes, "crop_coords": lambda: torch.zeros(BATCH, 2),
     }
 
 
-def forward_inputs(model: torch.nn.Module, layout: str, generator: torch.Generator) -> dict:
-    """The call for `layout`: every required forward parameter (a `ValueError` names one it cannot build) and the
-    optional conditioning it can."""
+def _builder(builders: dict, name: str):
+    if name in builders:
+        return builders[name]
+    if "timestep" in name:  # a second timestep (e.g. the flow map's start time) reads like the first
+        return builders["timestep"]
+    return None
+
+
+def forward_inputs(model: torch.nn.Module, layout: str, generator: torch.Generator, optional: bool = True) -> dict:
+    """The call for `layout`: every required forward parameter (a `ValueError` names one it cannot build) and, with
+    `optional`, the optional conditioning it can build."""
     config = dict(model.config)
     builders = _builders(config, layout, generator)
+    exceptions = INPUT_EXCEPTIONS.get(type(model).__name__, {})
     kwargs = {}
     for name, param in inspect.signature(model.forward).parameters.items():
-        if name in INPUT_EXCEPTIONS.get(type(model).__name__, {}):
-            kwargs[name] = INPUT_EXCEPTIONS[type(model).__name__][name]
-        elif name in builders:
-            kwargs[name] = builders[name]()
-        elif param.default is inspect.Parameter.empty and param.kind not in (param.VAR_POSITIONAL,
-                                                                             param.VAR_KEYWORD):
+        required = param.default is inspect.Parameter.empty and param.kind not in (param.VAR_POSITIONAL,
+                                                                                   param.VAR_KEYWORD)
+        build = _builder(builders, name)
+        if name in exceptions:
+            kwargs[name] = exceptions[name](generator) if callable(exceptions[name]) else exceptions[name]
+        elif build is not None and (required or optional or name in CORE_INPUTS):
+            kwargs[name] = build()
+        elif required:
             raise ValueError(f"cannot synthesize the forward input '{name}' (no rule for it: add an "
                              "INPUT_EXCEPTIONS line)")
     if "return_dict" in inspect.signature(model.forward).parameters:
@@ -151,19 +209,25 @@ def forward_inputs(model: torch.nn.Module, layout: str, generator: torch.Generat
     return kwargs
 
 
+def _first_call(model: torch.nn.Module, seed: int) -> tuple[dict, tuple]:
+    """The first synthesized call that runs: each layout with the optional conditioning, then without it."""
+    errors = []
+    for layout in LAYOUTS:
+        for optional in (True, False):
+            try:
+                kwargs = forward_inputs(model, layout, torch.Generator().manual_seed(seed), optional)
+                with torch.no_grad():
+                    return kwargs, predictions(model(**kwargs))
+            except Exception as error:  # the next try may fit; all reasons are reported if none does
+                errors.append(f"{layout}{'' if optional else ' (required only)'}: {type(error).__name__}: "
+                              f"{str(error)[:120]}")
+    raise ValueError("no synthesized forward call runs the tiny model (" + "; ".join(errors[::2]) + ")")
+
+
 def tiny_case(cls, workdir: Path, seed: int = 0) -> Case:
-    """A tiny random `cls` saved under `workdir/transformer`, and the first latent layout whose forward runs."""
+    """A tiny random `cls` saved under `workdir/transformer`, and the first synthesized call that runs it."""
     torch.manual_seed(seed)
     model = cls.from_config(tiny_config(cls)).eval()
-    errors = []
-    for layout in ("image", "video", "tokens"):
-        try:
-            kwargs = forward_inputs(model, layout, torch.Generator().manual_seed(seed))
-            with torch.no_grad():
-                expected = predictions(model(**kwargs))
-        except Exception as error:  # the next layout may fit; all reasons are reported if none does
-            errors.append(f"{layout}: {type(error).__name__}: {str(error)[:160]}")
-            continue
-        model.save_pretrained(workdir / "transformer")
-        return Case(cls.__name__, workdir, (), kwargs, expected)
-    raise ValueError("no synthesized forward call runs the tiny model (" + "; ".join(errors) + ")")
+    kwargs, expected = _first_call(model, seed)
+    model.save_pretrained(workdir / "transformer")
+    return Case(cls.__name__, workdir, (), kwargs, expected)
