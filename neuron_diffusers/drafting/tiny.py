@@ -42,10 +42,13 @@ CONFIG_EXCEPTIONS: dict[str, dict] = {
                                    "max_text_seq_length": TEXT_LEN},
     "PRXTransformer2DModel": {"axes_dim": [8, 8]},  # None by default: derived from the full-size head
     "WanVACETransformer3DModel": {"vace_layers": [0]},  # must name blocks the tiny model has
+    "PixArtTransformer2DModel": {"attention_head_dim": 24},  # its size conditioning splits the width in 3 parts
 }
 #: Per-class forward inputs the rule cannot derive: class -> {parameter: value, or a function of the generator}.
 INPUT_EXCEPTIONS: dict[str, dict] = {
-    "PixArtTransformer2DModel": {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}},
+    # sample_size 128 turns on the resolution / aspect-ratio conditioning
+    "PixArtTransformer2DModel": {"added_cond_kwargs": lambda g: {"resolution": torch.tensor([[32.0, 32.0]] * BATCH),
+                                                                 "aspect_ratio": torch.ones(BATCH, 1)}},
     "WanVACETransformer3DModel": {"control_hidden_states": lambda g: torch.randn(BATCH, 96, 2, 8, 8, generator=g)},
 }
 #: Inputs passed even when the call is retried without the optional conditioning.
@@ -174,6 +177,8 @@ def _builders(config, layout, generator) -> dict:
         "txt_ids": lambda: _ids(TEXT_LEN, axes) * 0,
         "encoder_attention_mask": mask, "attention_mask": mask, "encoder_hidden_states_mask": mask,
         "class_labels": lambda: torch.tensor([1, 2]),
+        # packed tokens carry no shape: 16 tokens are one frame of 4 x 4 (LTX-Video-style forwards ask for it)
+        **({"num_frames": lambda: 1, "height": lambda: 4, "width": lambda: 4} if layout == "tokens" else {}),
         "original_size": sizes, "target_size": sizes, "crop_coords": lambda: torch.zeros(BATCH, 2),
     }
 
