@@ -15,6 +15,7 @@ import diffusers
 import torch
 
 from .. import families
+from ..parallel.rules import collectives_per_forward
 from ..tools.plan.cases import build_case, verifiable_models
 from ..tools.plan.sharding import per_rank_params
 from .draft import Draft, draft_plan
@@ -50,7 +51,8 @@ def _weights(model: torch.nn.Module, plan: dict | None, degrees: list[int]) -> d
         return None
     total = sum(p.numel() for p in model.parameters())
     held = per_rank_params(model, plan, REPORT_TP)
-    return {"per_rank": held, "ideal": total // REPORT_TP, "ratio": held / (total / REPORT_TP)}
+    return {"per_rank": held, "ideal": total // REPORT_TP, "ratio": held / (total / REPORT_TP),
+            "collectives": collectives_per_forward(model, plan)}
 
 
 def full_size_row(name: str) -> tuple[dict, Draft | None]:

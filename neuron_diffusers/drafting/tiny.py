@@ -50,6 +50,12 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
     "PixArtTransformer2DModel": {"added_cond_kwargs": lambda g: {"resolution": torch.tensor([[32.0, 32.0]] * BATCH),
                                                                  "aspect_ratio": torch.ones(BATCH, 1)}},
     "WanVACETransformer3DModel": {"control_hidden_states": lambda g: torch.randn(BATCH, 96, 2, 8, 8, generator=g)},
+    # lists of per-sample tensors: latents [C, F, H, W] and caption features [L, cap_feat_dim]
+    "ZImageTransformer2DModel": {"x": lambda g: [torch.randn(16, 1, 8, 8, generator=g) for _ in range(BATCH)],
+                                 "t": lambda g: torch.tensor([0.5, 0.25]),
+                                 "cap_feats": lambda g: [torch.randn(TEXT_LEN, 48, generator=g) for _ in range(BATCH)]},
+    "NucleusMoEImageTransformer2DModel": {"img_shapes": [[(1, 4, 4)]] * BATCH},  # 16 packed tokens, 4 x 4
+    "CosmosTransformer3DModel": {"padding_mask": lambda g: torch.zeros(1, 1, 8, 8)},
 }
 #: Inputs passed even when the call is retried without the optional conditioning.
 CORE_INPUTS = ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids")

@@ -88,7 +88,11 @@ def _provenance(argv: str) -> dict:
 
 
 def _cell_weights(weights: dict | None) -> str:
-    return f"{weights['ratio']:.3f} x" if weights else "-"
+    """Per-rank weights against the ideal, and all-reduces + all-gathers per forward."""
+    if not weights:
+        return "-"
+    counts = weights.get("collectives") or {}
+    return f"{weights['ratio']:.3f} x ({counts.get('all_reduce', 0)} AR + {counts.get('all_gather', 0)} AG)"
 
 
 def coverage_markdown(rows: list[dict], meta: dict) -> str:
