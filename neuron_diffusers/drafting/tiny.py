@@ -5,8 +5,8 @@ features, every width that scales with the model to the same share of the tiny i
 summing to the head size) rescaled to the tiny head. The forward inputs come from the forward signature's parameter
 names and the config (latents, text states, timestep, pooled text, position ids, guidance). Where a class needs more
 than the rule, the exception is a line of data in `CONFIG_EXCEPTIONS` / `INPUT_EXCEPTIONS`, not code.
-The latent layout (image `[B, C, H, W]`, video `[B, C, F, H, W]` or packed tokens `[B, S, C]`) is not in the
-signature, so each is tried in that order and the first that runs is the call.
+The latent layout (image `[B, C, H, W]`, video `[B, C, F, H, W]` or `[B, F, C, H, W]`, packed tokens `[B, S, C]`,
+audio `[B, C, L]`) is not in the signature, so each is tried in that order and the first that runs is the call.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from ..tools.plan.cases import Case, predictions
 
-TINY_HEADS, TINY_HEAD_DIM, TINY_BLOCKS, BATCH, TEXT_LEN = 4, 16, 2, 2, 8
+TINY_HEADS, TINY_HEAD_DIM, TINY_BLOCKS, BATCH, TEXT_LEN = 4, 16, 2, 2, 16
 _BLOCKS = re.compile(r"^(num_)?(\w+_)?(layers|blocks|depth)$")
 _HEADS = re.compile(r"^(num_)?(\w+_)?heads$")
 _HEAD_DIM = re.compile(r"^(\w+_)?head_dim$")
@@ -59,8 +59,9 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
 }
 #: Inputs passed even when the call is retried without the optional conditioning.
 CORE_INPUTS = ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids")
-#: The latent layouts tried, in order: image, video, video frames-first (CogVideoX-style), packed tokens.
-LAYOUTS = ("image", "video", "frames", "tokens")
+#: The latent layouts tried, in order: image, video, video frames-first (CogVideoX-style), packed tokens, a 1-D
+#: signal (audio: channels x length).
+LAYOUTS = ("image", "video", "frames", "tokens", "signal")
 
 
 def _scaled_axes(value, head_dim: int):
@@ -137,7 +138,8 @@ def _latents(layout: str, config, generator) -> torch.Tensor:
     patch, temporal = _patch(config)
     side = 4 * patch
     shapes = {"image": (BATCH, channels, side, side), "video": (BATCH, channels, 2 * temporal, side, side),
-              "frames": (BATCH, 2 * temporal, channels, side, side), "tokens": (BATCH, 16, channels)}
+              "frames": (BATCH, 2 * temporal, channels, side, side), "tokens": (BATCH, 16, channels),
+              "signal": (BATCH, channels, 16)}
     return torch.randn(*shapes[layout], generator=generator)
 
 
@@ -171,7 +173,7 @@ def _builders(config, layout, generator) -> dict:
     text = _text_width(config)
     pooled = _config_int(config, "pooled_projection_dim", "pooled_dim", default=32)
     axes = _axes(config)
-    mask = lambda: torch.ones(BATCH, TEXT_LEN, dtype=torch.int64)  # noqa: E731
+    mask = lambda: torch.ones(BATCH, TEXT_LEN, dtype=torch.bool)  # noqa: E731
     sizes = lambda: torch.tensor([[32.0, 32.0]] * BATCH)  # noqa: E731
     return {
         "hidden_states": lambda: _latents(layout, config, generator),
@@ -181,6 +183,7 @@ def _builders(config, layout, generator) -> dict:
         "guidance": lambda: torch.tensor([3.5, 3.5]),
         "img_ids": lambda: _ids(16, axes),
         "txt_ids": lambda: _ids(TEXT_LEN, axes) * 0,
+        "position_ids": lambda: _ids(TEXT_LEN + 16, axes),  # text and 4 x 4 image tokens, one joint sequence
         "encoder_attention_mask": mask, "attention_mask": mask, "encoder_hidden_states_mask": mask,
         "class_labels": lambda: torch.tensor([1, 2]),
         # packed tokens carry no shape: 16 tokens are one frame of 4 x 4 (LTX-Video-style forwards ask for it)
@@ -189,11 +192,16 @@ def _builders(config, layout, generator) -> dict:
     }
 
 
-def _builder(builders: dict, name: str):
+def _builder(builders: dict, name: str, config: dict, generator):
     if name in builders:
         return builders[name]
     if "timestep" in name:  # a second timestep (e.g. the flow map's start time) reads like the first
         return builders["timestep"]
+    if name.endswith("_hidden_states"):  # extra states ("global_hidden_states"): width from "<prefix>...dim"
+        prefix = name.removesuffix("_hidden_states")
+        width = next((v for k, v in config.items() if k.startswith(prefix) and _WIDTH.search(k)
+                      and isinstance(v, int) and not isinstance(v, bool)), None)
+        return (lambda: torch.randn(BATCH, 1, width, generator=generator)) if width else None
     return None
 
 
@@ -207,7 +215,7 @@ def forward_inputs(model: torch.nn.Module, layout: str, generator: torch.Generat
     for name, param in inspect.signature(model.forward).parameters.items():
         required = param.default is inspect.Parameter.empty and param.kind not in (param.VAR_POSITIONAL,
                                                                                    param.VAR_KEYWORD)
-        build = _builder(builders, name)
+        build = _builder(builders, name, config, generator)
         if name in exceptions:
             kwargs[name] = exceptions[name](generator) if callable(exceptions[name]) else exceptions[name]
         elif build is not None and (required or optional or name in CORE_INPUTS):
