@@ -94,6 +94,8 @@ def tiny_entry(name: str, workdir: Path) -> tuple[dict, tuple | None]:
         return {"miss": f"nothing to shard: {reasons}"[:300]}, None
     if draft.check_errors:
         return {"miss": f"plan check: {draft.check_errors[0]}"[:300]}, None
+    if 2 not in draft.degrees:
+        return {"miss": f"the tiny instance cannot be split at TP=2 (degrees {draft.degrees})"}, None
     return {"tiny_rules": len(draft.plan)}, (case, draft.plan)
 
 

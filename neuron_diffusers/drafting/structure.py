@@ -129,7 +129,11 @@ def _read_attention(path: str, attn: torch.nn.Module, roles: Roles) -> None:
         return
     prefix = f"{path}." if path else ""
     query = _linear(attn.to_q)
-    roles.heads[path] = attn.heads
+    head_dim = _head_dim(attn, attn.heads, query)
+    # Grouped-query attention: K and V have fewer heads, and each rank needs whole ones of those too.
+    keys = [_linear(getattr(attn, name, None)) for name in ("to_k", "to_v")]
+    kv_heads = [k.out_features // head_dim for k in keys if k is not None and k.out_features % head_dim == 0]
+    roles.heads[path] = math.gcd(attn.heads, *kv_heads)
     roles.widths.add(query.in_features)
     for name in COLWISE_PROJECTIONS:
         if _linear(getattr(attn, name, None)) is not None:

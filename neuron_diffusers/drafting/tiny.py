@@ -77,8 +77,8 @@ def _shrunk_value(key: str, value, heads: int | None, head_dim: int | None):
         return value
     if isinstance(value, int) and _BLOCKS.match(key):
         return min(value, TINY_BLOCKS)
-    if isinstance(value, int) and _HEADS.match(key) and heads:
-        return max(1, value * TINY_HEADS // heads) if value < heads else TINY_HEADS
+    if isinstance(value, int) and _HEADS.match(key) and heads:  # fewer K/V heads stay fewer, but 2 (TP=2)
+        return max(2, value * TINY_HEADS // heads) if value < heads else TINY_HEADS
     if isinstance(value, int) and _HEAD_DIM.match(key):
         return TINY_HEAD_DIM
     inner = heads * head_dim if heads and head_dim else None
