@@ -20,7 +20,7 @@ from ..tools.plan.cases import build_case, verifiable_models
 from ..tools.plan.sharding import per_rank_params
 from .draft import Draft, draft_plan
 from .proof import verify_drafts
-from .tiny import tiny_case
+from .tiny import full_size_config, tiny_case
 
 REPORT_TP = 8
 #: Classes verified per spawn: a rank that hangs costs one chunk's results, not the table's.
@@ -60,7 +60,7 @@ def full_size_row(name: str) -> tuple[dict, Draft | None]:
     cls = getattr(diffusers, name)
     try:
         with torch.device("meta"):
-            model = cls()
+            model = cls.from_config(full_size_config(cls))
     except Exception as error:  # a class whose default config is incomplete: a miss, with the reason
         return {"class": name, "miss": f"default config does not build: {type(error).__name__}: {error}"[:300]}, None
     draft = draft_plan(model)

@@ -32,6 +32,15 @@ _KEEP = re.compile(r"sample_size|patch_size|max_|pos_embed|freq|num_positions|se
 #: Config keys that hold the text states' width, most specific first.
 TEXT_KEYS = ("joint_attention_dim", "text_embed_dim", "text_dim", "caption_channels", "cross_attention_dim",
              "context_in_dim", "text_hidden_dim", "encoder_hidden_dim", "text_states_dim")
+#: Full-size config values some classes' defaults leave unset (None: diffusers expects a checkpoint's config), taken
+#: from their public checkpoints: data, applied before the drafter reads the class and before shrinking.
+DEFAULT_CONFIG_GAPS: dict[str, dict] = {
+    "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2},
+    "LatteTransformer3DModel": {"in_channels": 4, "out_channels": 8, "patch_size": 2, "cross_attention_dim": 1152,
+                                "caption_channels": 4096, "num_embeds_ada_norm": 1000},
+    "LuminaNextDiT2DModel": {"num_kv_heads": 8},
+    "Transformer2DModel": {"in_channels": 320, "cross_attention_dim": 768},  # a Stable Diffusion UNet stage
+}
 #: Per-class config values the rule cannot derive (data, not code): class -> {key: value}.
 CONFIG_EXCEPTIONS: dict[str, dict] = {
     "HunyuanVideoTransformer3DModel": {"rope_axes_dim": (4, 6, 6)},
@@ -43,6 +52,7 @@ CONFIG_EXCEPTIONS: dict[str, dict] = {
     "PRXTransformer2DModel": {"axes_dim": [8, 8]},  # None by default: derived from the full-size head
     "WanVACETransformer3DModel": {"vace_layers": [0]},  # must name blocks the tiny model has
     "PixArtTransformer2DModel": {"attention_head_dim": 24},  # its size conditioning splits the width in 3 parts
+    "Transformer2DModel": {"in_channels": 32},  # its GroupNorm has 32 groups
 }
 #: Per-class forward inputs the rule cannot derive: class -> {parameter: value, or a function of the generator}.
 INPUT_EXCEPTIONS: dict[str, dict] = {
@@ -103,10 +113,14 @@ def _heads(config: dict) -> tuple[int | None, int | None]:
     return heads, head_dim
 
 
+def full_size_config(cls) -> dict:
+    """`cls`'s default config, with the values its defaults leave unset (`DEFAULT_CONFIG_GAPS`)."""
+    return {**_default_config(cls), **DEFAULT_CONFIG_GAPS.get(cls.__name__, {})}
+
+
 def tiny_config(cls) -> dict:
     """`cls`'s default config shrunk by the rule, then its exceptions applied."""
-    config = {k: v for k, v in dict(cls.load_config_defaults()).items() if not k.startswith("_")} \
-        if hasattr(cls, "load_config_defaults") else _default_config(cls)
+    config = full_size_config(cls)
     heads, head_dim = _heads(config)
     tiny = {key: _shrunk_value(key, value, heads, head_dim) for key, value in config.items()}
     return {**tiny, **CONFIG_EXCEPTIONS.get(cls.__name__, {})}
@@ -185,6 +199,7 @@ def _builders(config, layout, generator) -> dict:
         "txt_ids": lambda: _ids(TEXT_LEN, axes) * 0,
         "position_ids": lambda: _ids(TEXT_LEN + 16, axes),  # text and 4 x 4 image tokens, one joint sequence
         "encoder_attention_mask": mask, "attention_mask": mask, "encoder_hidden_states_mask": mask,
+        "encoder_mask": mask,
         "class_labels": lambda: torch.tensor([1, 2]),
         # packed tokens carry no shape: 16 tokens are one frame of 4 x 4 (LTX-Video-style forwards ask for it)
         **({"num_frames": lambda: 1, "height": lambda: 4, "width": lambda: 4} if layout == "tokens" else {}),
