@@ -96,7 +96,11 @@ def _shrunk_value(key: str, value, heads: int | None, head_dim: int | None):
             and sum(value) == head_dim:
         return _scaled_axes(value, head_dim)
     if isinstance(value, int) and inner and value >= 128 and _WIDTH.search(key) and not _KEEP.search(key):
-        return max(16, 16 * math.ceil(value * TINY_HEADS * TINY_HEAD_DIM / inner / 16))
+        tiny_inner = TINY_HEADS * TINY_HEAD_DIM
+        if value % inner == 0:  # k x the inner width stays k x the tiny one
+            return value // inner * tiny_inner
+        # else the same share of the tiny width, a multiple of 48 so that 2/3 (SwiGLU hidden) of 4 x it stays even
+        return 48 * math.ceil(value * tiny_inner / inner / 48)
     return value
 
 
