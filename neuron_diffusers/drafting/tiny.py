@@ -256,10 +256,10 @@ def _first_call(model: torch.nn.Module, seed: int) -> tuple[dict, tuple]:
                 kwargs = forward_inputs(model, layout, torch.Generator().manual_seed(seed), optional)
                 with torch.no_grad():
                     return kwargs, predictions(model(**kwargs))
-            except Exception as error:  # the next try may fit; all reasons are reported if none does
-                errors.append(f"{layout}{'' if optional else ' (required only)'}: {type(error).__name__}: "
-                              f"{str(error)[:120]}")
-    raise ValueError("no synthesized forward call runs the tiny model (" + "; ".join(errors[::2]) + ")")
+            except Exception as error:  # the next try may fit; if none does, each layout's first reason is named
+                if optional:
+                    errors.append(f"{layout}: {type(error).__name__}: {str(error)[:120]}")
+    raise ValueError("no synthesized forward call runs the tiny model (" + "; ".join(errors) + ")")
 
 
 def tiny_case(cls, workdir: Path, seed: int = 0) -> Case:
