@@ -28,6 +28,7 @@ COMMANDS = {
                                        "exit 1 on errors"),
     "plan verify": ("tools.plan.verify", "tiny random model: TP=N vs one process on spawned CPU ranks; exit 1 above "
                                          "the tolerance"),
+    "plan draft": ("tools.plan.draft", "draft a plan from a module tree, verified at TP=2; --all: coverage table"),
     "bench memory": ("tools.bench.memory", "per-rank memory of every family at TP 1/2/4/8, ours vs stock"),
     "bench encoder": ("tools.bench.encoder", "peak RSS of the encoding rank vs the others vs a stock pipeline"),
     "bench collectives": ("tools.bench.collectives", "collectives per forward counted at run time; step time vs "
