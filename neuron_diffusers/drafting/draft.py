@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compat.tp_loading import shard_specs
 from ..distributed import divisors
-from ..parallel.patches import shard_specs
 from .structure import Note, Roles, read_roles
 
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
