@@ -147,7 +147,9 @@ def check_guidance(adapter, given: dict, where: str = "") -> None:
     if true_value is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{distilled} and has no true CFG: drop {true_cfg}.")
     if true_value is not None and adapter.guidance_kwarg == "true_cfg_scale":
-        raise ValueError(f"{where}For {adapter.pipeline_class}, {guidance} sets true_cfg_scale: use {guidance} "
+        value = f"{true_value:g}" if isinstance(true_value, int | float) else str(true_value)
+        setting = f"{guidance}{' ' if guidance.startswith('--') else '='}{value}"
+        raise ValueError(f"{where}For {adapter.pipeline_class}, {guidance} sets true_cfg_scale: use {setting} "
                          f"instead of {true_cfg}.")
 
 
