@@ -7,6 +7,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 from PIL import Image
+from rank_cases import one_thread
 from rank_jobs import _past_the_entry_check
 
 PROMPT = "make the fox red"
@@ -116,21 +117,10 @@ def first_call_inputs(transformer):
         handle.remove()
 
 
-@contextmanager
-def _one_thread():
-    """One intra-op thread (the stock references' tolerances assume it), restored after: the pool's rank runs more."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def image_case_check(checkpoints: dict, case: dict) -> dict:
     """One case through `load_pipeline(..., pipeline_class=...)` and `generate(image=...)`: TP = world size, or
     cfg=2 x tp=world/2 for a case with `cfg`."""
-    with _one_thread():
+    with one_thread():
         shrink_edit_vae_area()
         return _image_case(checkpoints, case)
 

@@ -4,8 +4,10 @@ test that reads it, with its own message, while the job's other cases still repo
 from __future__ import annotations
 
 import traceback
+from contextlib import contextmanager
 
 import pytest
+import torch
 
 
 class CaseError:
@@ -34,3 +36,15 @@ def case(reports: list[dict], name) -> list:
         if isinstance(value, CaseError):
             pytest.fail(f"rank {rank}: case {name!r} raised:\n{value.message}", pytrace=False)
     return values
+
+
+@contextmanager
+def one_thread():
+    """One intra-op thread for a job (the stock references' tolerances were measured so), restored after: a pool's
+    rank runs other jobs next."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -3,11 +3,10 @@ generation through `load_pipeline` and the VAEs alone."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry
+from rank_cases import one_thread
 from rank_jobs import _as_arrays, _loaded_models
 
 from neuron_diffusers.parallel.vae import HOOK_NAME, enable_parallel_vae
@@ -94,23 +93,12 @@ def _generation(checkpoint, mesh, call: dict) -> dict:
             "models_in_memory": _loaded_models()}
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """One intra-op thread for the job (as the checks were measured), restored after: the pool's rank runs more."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def generation_check(checkpoint, layout: str, call: dict) -> dict:
     """`generate` with `parallel_vae=True` at TP=2 (`layout` ""), or at Ulysses=2 ("ulysses2 ": the
     context-parallel ranks decode a piece too)."""
     import neuron_diffusers as nd
 
-    with _one_thread():
+    with one_thread():
         mesh = nd.init_distributed(tp=1, ulysses=2) if layout else nd.init_distributed(tp=2)
         return _generation(checkpoint, mesh, call)
 
@@ -124,10 +112,10 @@ def vae_case_check(checkpoint, cases: dict, name: str, seed: int = 0) -> dict:
             break
         torch.randn(case["latent"], generator=generator)  # the draws of the cases before it
         torch.rand(case["image"], generator=generator)
-    with _one_thread(), torch.no_grad():
+    with one_thread(), torch.no_grad():
         return _vae_case(_load_vae(checkpoint), cases[name], generator)
 
 
 def refusal_check(flux) -> dict:
-    with _one_thread(), torch.no_grad():
+    with one_thread(), torch.no_grad():
         return _refusal(_load_vae(flux))

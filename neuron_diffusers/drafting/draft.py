@@ -15,6 +15,7 @@ import torch
 
 from ..compat.tp_loading import shard_specs
 from ..distributed import divisors
+from ..tools.plan.sharding import degrees_that_shard
 from .structure import Note, Roles, read_roles
 
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
@@ -90,14 +91,7 @@ def tp_degrees(model: torch.nn.Module, plan: dict, heads: list[int]) -> list[int
         return [1]
     bound = math.gcd(*heads) if heads else max(s for spec in shard_specs(model, plan, 1).values()
                                                 for s in spec.block_sizes or [1])
-    valid = [1]
-    for degree in [d for d in divisors(bound)[1:] if d <= MAX_DEGREE]:
-        try:
-            shard_specs(model, plan, degree)
-        except ValueError:
-            continue
-        valid.append(degree)
-    return valid
+    return degrees_that_shard(model, plan, [d for d in divisors(bound)[1:] if d <= MAX_DEGREE])
 
 
 def _left_whole(model: torch.nn.Module, styles: dict, notes: list[Note]) -> list[Note]:

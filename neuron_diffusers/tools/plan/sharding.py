@@ -46,9 +46,13 @@ def held_params(model: torch.nn.Module, sharded: set[str], tp: int) -> int:
 def valid_tp_degrees(model: torch.nn.Module, plan: dict) -> list[int]:
     """Degrees dividing the attention heads for which every sharded block splits evenly."""
     shard_specs(model, plan, 1)  # a plan that does not fit the model fails here, loudly
-    heads = model.config.num_attention_heads
+    return degrees_that_shard(model, plan, divisors(model.config.num_attention_heads)[1:])
+
+
+def degrees_that_shard(model: torch.nn.Module, plan: dict, candidates) -> list[int]:
+    """1, then each candidate degree for which the loader's own shard specs split every planned block evenly."""
     valid = [1]
-    for degree in divisors(heads)[1:]:
+    for degree in candidates:
         try:
             shard_specs(model, plan, degree)
         except ValueError:
