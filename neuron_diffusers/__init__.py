@@ -14,7 +14,6 @@ from .compat import plans as _plans
 from .compat.plans import stock_plan, using_plan  # noqa: E402
 from .compile import compile_repeated_blocks, compile_report, warmup  # noqa: E402
 from .distributed import init_distributed, is_group_leader, is_main_process, is_replica_leader, is_tp_leader, rank  # noqa: E402
-from .parallel import context_qwenimage21  # noqa: E402
 from .runner import load_pipeline  # noqa: E402
 
 try:
@@ -22,16 +21,12 @@ try:
 except PackageNotFoundError:  # running from a source tree that was not pip-installed
     __version__ = "0.0.0+unknown"
 
-#: The families whose attention stock context parallelism cannot split as is: their hooks (`compat.plans`).
-_CP_QUIRKS = {"qwenimage21": context_qwenimage21}
-
-
 def _register_families() -> None:
     """Push every family's plans into `compat` (which names no family): our TP plan as the class default, stock's
     kept for `stock_plan`; our CP plan where diffusers ships none."""
     for family in families.FAMILIES:
         _plans.register(family.model_class(), family.plan, cp_plan=family.cp_plan,
-                        cp_quirks=_CP_QUIRKS.get(family.name))
+                        cp_quirks=family.cp_quirks)
 
 
 _install.install()

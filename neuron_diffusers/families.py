@@ -92,6 +92,13 @@ class Family:
         return getattr(self.plan_module, "CP_PLAN", None)
 
     @property
+    def cp_quirks(self) -> ModuleType | None:
+        """The hooks a class whose attention stock context parallelism cannot split as is needs under it (the
+        module `CP_QUIRKS` in the plan file names, inside the family's package; `compat.plans`); None for most."""
+        name = getattr(self.plan_module, "CP_QUIRKS", None)
+        return None if name is None else importlib.import_module(f"{self.package}.{name}")
+
+    @property
     def model_class_name(self) -> str:
         return self.plan_module.MODEL_CLASS
 

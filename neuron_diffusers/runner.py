@@ -447,7 +447,7 @@ def load_pipeline(
     Under context parallelism the padding (text buckets, MiniMax-H3's packed rows) is rounded up to multiples of
     ulysses x ring, and `generate` refuses image sizes whose token count does not split, naming sizes that do;
     `cp_any_length=True` takes any size and prompt length exactly with diffusers' *_anything modes instead (not for
-    compiled static shapes). Qwen-Image-2.1 runs that way with `buckets=()` (see `parallel/context_qwenimage21.py`).
+    compiled static shapes). Qwen-Image-2.1 runs that way with `buckets=()` (see `pipelines/qwenimage21_context.py`).
 
     `pipeline_class` (a stock class or its name) runs the folder with another class on the same transformer, e.g.
     FluxKontextPipeline, FluxImg2ImgPipeline or FluxInpaintPipeline on a FLUX.1 folder; default: the class the

@@ -20,8 +20,8 @@ from neuron_diffusers import tiny
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.distributed import mesh_order
 from neuron_diffusers.parallel import context
-from neuron_diffusers.parallel.context_qwenimage21 import block_causal_mask, chunk
 from neuron_diffusers.parallel.layouts import Layout, layout_problem, valid_layouts
+from neuron_diffusers.pipelines.qwenimage21_context import block_causal_mask, chunk
 from neuron_diffusers.runner import check_context_parallel_call
 from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 

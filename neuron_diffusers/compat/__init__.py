@@ -56,7 +56,7 @@ apart; diffusers PR #14725 and JingyaHuang/diffusers#2 (open) close the same gap
     CPU host). We gather on the CPU for gloo. Their output gather (`_all_gather_anything`) all-gathers tensors of
     unequal lengths, which gloo refuses: for gloo we pad to the longest and trim [`collectives`].
 17. Qwen-Image-2.1 ships no `_cp_plan`: ours (`tp_plans/qwenimage21.py`, `CP_PLAN`) is registered as the class
-    default, like `_tp_plan`, with its block-causal hooks (`parallel/context_qwenimage21.py`) as the class's
+    default, like `_tp_plan`, with its block-causal hooks (`pipelines/qwenimage21_context.py`) as the class's
     context-parallel quirks [`plans`].
 
 Qwen-Image-2.1's exact text padding (a feature, not a gap) lives with its user, `pipelines/qwenimage21.py`, and reaches

@@ -23,7 +23,7 @@ class QwenImage21Adapter(StockPipelineAdapter):
     shared_components = ("processor",)  # the pipeline's `__init__` tokenizes its chat template
     guidance_kwarg = "true_cfg_scale"
     buckets = (64, 128, 256, 512, 1024)
-    #: Under context parallelism (`parallel/context_qwenimage21.py`) the buckets pad the joint sequence with masked
+    #: Under context parallelism (`pipelines/qwenimage21_context.py`) the buckets pad the joint sequence with masked
     #: positions (rounded to the degree); with `buckets=()` its length follows the prompt: `ulysses_anything`.
     cp_block_causal = True
 

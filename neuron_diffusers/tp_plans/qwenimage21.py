@@ -65,7 +65,8 @@ LEAN_PLAN = {
 
 # Context parallelism: diffusers 0.42.1 ships no `_cp_plan` for 2.1, so this one is registered as the class default.
 # Which inputs are split along the sequence where, and where the output is gathered; Ulysses only, with the
-# block-causal hooks of `parallel/context_qwenimage21.py` (which explains the split).
+# block-causal hooks of `pipelines/qwenimage21_context.py` (which explains the split), named here for the registry.
+CP_QUIRKS = "pipelines.qwenimage21_context"
 _ROWS = ContextParallelInput(split_dim=0, expected_dims=1)
 CP_PLAN = {
     "transformer_blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3)},
