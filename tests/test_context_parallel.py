@@ -211,13 +211,19 @@ def _stock(checkpoint, family, call, **extra):
     return {"image": image}
 
 
-def _assert_close(output: dict, reference: dict, what: str):
+#: Frames read back from two H.264 encodings of nearly equal videos: the encoder's quantization decisions flip on
+#: float-rounding differences, so two such MP4s can differ by more than their inputs (0.0047 mean seen once in three
+#: clean-clone runs, 2026-12-04, for inputs within 1/255). The test holds the float frames and the WAV to 1/255.
+H264_TOLERANCE = 2 / 255
+
+
+def _assert_close(output: dict, reference: dict, what: str, tolerance: float = 1 / 255):
     for name, expected in reference.items():
         if not isinstance(expected, np.ndarray):
             continue
         assert output[name].shape == expected.shape, (what, name)
         difference = np.abs(output[name].astype(np.float64) - expected.astype(np.float64)).mean()
-        assert difference < 1 / 255, f"{what} {name}: mean abs difference {difference:.5f}"
+        assert difference < tolerance, f"{what} {name}: mean abs difference {difference:.5f}"
 
 
 def test_runner_mesh_and_image_group(runner_report):
@@ -248,7 +254,7 @@ def test_tp2_x_ulysses2_generate_and_the_job_give_the_stock_image(runner_report,
         _assert_close({"audio": _wav(job["files"]["00000-a-red-fox-in-the-snow.wav"])},
                       {"audio": reference["audio"]}, "job h3")
         _assert_close({"frames": _mp4(job["files"]["00000-a-red-fox-in-the-snow.mp4"])},
-                      {"frames": _encoded_stock_frames(reference, tmp_path)}, "job h3")
+                      {"frames": _encoded_stock_frames(reference, tmp_path)}, "job h3", H264_TOLERANCE)
     else:
         from PIL import Image
 
