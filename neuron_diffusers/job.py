@@ -46,6 +46,7 @@ from .cli import finite_float, positive_float, positive_int
 from .compile import compile_repeated_blocks, compile_report, warmup
 from .consistency import agree, raise_agreed, shareable
 from .distributed import (
+    AUTO_ORDER,
     broadcast_object_from_replica_leader,
     cfg_rank,
     check_cfg_degree,
@@ -174,7 +175,9 @@ class JobPlan:
     cp_any_length: bool = False
     #: `--plan`: the tensor-parallel plan's name (`parallel/plan_variants.py`), recorded with every output.
     tp_plan: str = "default"
-    mesh_order: str = "ulysses-inner"
+    mesh_order: str = AUTO_ORDER
+    #: `--cross-node`: TP or Ulysses groups may span nodes.
+    cross_node: bool = False
 
     @property
     def group(self) -> int:
@@ -479,7 +482,7 @@ def _plan(args, launch: LaunchSpec, requests: list[Request], true_cfg: frozenset
                    settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=launch.cfg,
                    true_cfg=true_cfg, notes=notes, keys=keys, done=done, job_digest=job_digest,
                    loras=lora_records, cache=launch.cache, ulysses=launch.ulysses, ring=launch.ring,
-                   cp_any_length=launch.cp_any_length, mesh_order=launch.mesh_order,
+                   cp_any_length=launch.cp_any_length, mesh_order=launch.mesh_order, cross_node=launch.cross_node,
                    parallel_vae=launch.parallel_vae, tp_plan=launch.plan, launch=launch)
 
 
@@ -566,7 +569,7 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
     """Generate this process's share of the requests (its replica's, see `pair_work`); rank 0 returns (and writes)
     the summary. Any failure is raised on every rank alike."""
     mesh = init_distributed(tp=plan.tp, ulysses=plan.ulysses, ring=plan.ring, cfg=plan.cfg, order=plan.mesh_order,
-                            timeout_s=timeout_s)
+                            cross_node=plan.cross_node, timeout_s=timeout_s)
     lock = _lock_out_dir(plan)
     try:
         return _run_locked(plan, mesh, overwrite, compile_backend, warm)

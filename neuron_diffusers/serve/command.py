@@ -207,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
     listener = _listen(args.host, args.port) if runtime.rank == 0 else None
     signals = _Signals(args.shutdown_timeout)
     mesh = init_distributed(tp=config.tp, ulysses=config.ulysses, ring=config.ring, cfg=config.cfg,
-                            order=launch.mesh_order, timeout_s=args.timeout)
+                            order=launch.mesh_order, cross_node=launch.cross_node, timeout_s=args.timeout)
     front = _Front(config, args, listener, signals) if runtime.rank == 0 else None
     liveness = Liveness(default_store(), runtime.rank, runtime.world_size, args.peer_timeout,
                         on_failure=front.scheduler.fail if front is not None else lambda failure: None).start()
