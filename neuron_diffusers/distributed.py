@@ -201,8 +201,26 @@ def init_distributed(tp: int | None = None, *, ulysses: int = 1, ring: int = 1, 
                 runtime.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         else:
-            dist.init_process_group(runtime.backend, timeout=timeout)
+            dist.init_process_group(runtime.backend, timeout=timeout, **_attempt_store(runtime, timeout))
     return init_device_mesh(runtime.device_type, tuple(sizes[name] for name in names), mesh_dim_names=names)
+
+
+def _attempt_store(runtime: Runtime, timeout: timedelta) -> dict:
+    """Under torchrun's agent store, the group's store for this restart attempt only (keyword arguments of
+    `init_process_group`; empty elsewhere, where the env:// default does).
+
+    torch 2.14's workers connect straight to the agent's TCP store, which outlives a group across
+    `--max-restarts`: keys a killed attempt left (gloo's peer addresses, a half-entered call of ours) would pair the
+    restarted ranks with the dead ones (measured: "Connection refused" at the first new subgroup). So every key of
+    the group goes under `TORCHELASTIC_RESTART_COUNT`.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), runtime.world_size,
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"neuron_diffusers/attempt_{attempt}", agent), "rank": runtime.rank,
+            "world_size": runtime.world_size}
 
 
 def mesh_layout(world_size: int, *, tp: int, ulysses: int = 1, ring: int = 1, cfg: int = 1, order=AUTO_ORDER,

@@ -89,6 +89,7 @@ from .parallel.vae import resolve_parallel_vae
 from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs
 from .runner import check_context_parallel_call, load_pipeline
+from .topology import detect_nodes
 
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale", "image",
               "mask", "strength"}
@@ -737,7 +738,10 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
     return {
         "model": plan.checkpoint.source,
         "checkpoint": str(plan.checkpoint.path),
-        "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size},
+        "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size,
+                 "nodes": detect_nodes(plan.world_size).count},
+        # torchrun --max-restarts: how many times the agent restarted the group before this run (0: first attempt).
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "dtype": plan.dtype,
         "plan": plan.tp_plan,
         "loras": plan.loras,
