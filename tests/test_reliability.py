@@ -94,7 +94,7 @@ SERVING_ERRORS = {
 @pytest.mark.parametrize("kind", SERVING_ERRORS)
 def test_a_serving_loop_survives_each_bad_request_with_the_same_error_on_both_ranks(group, kind):
     _, reports = group
-    _same_on_both_ranks([report["bad", kind] for report in reports("serving")], "ValueError", SERVING_ERRORS[kind])
+    _same_on_both_ranks(case(reports("serving"), ("bad", kind)), "ValueError", SERVING_ERRORS[kind])
 
 
 @pytest.mark.parametrize("after", ["again", "after_partial", "after_mismatch"])
@@ -429,3 +429,21 @@ def test_size_limits_sit_exactly_where_the_stock_code_breaks():
 def test_nan_latents_are_caught_without_a_group():
     with pytest.raises(NonFiniteLatentsError, match=r"rank\(s\) \[0\] hold NaN or infinite values at step 1"):
         LatentAgreement(None).check([torch.tensor([1.0, float("inf")])], "step 1")
+
+
+def test_a_failed_agreement_is_a_lost_group_not_the_calls_error(monkeypatch):
+    """gloo reports a dead peer as a plain RuntimeError: when the exchange `agree` makes fails, that becomes a
+    `GroupLostError`, a `DistError`, which ends the job or the server instead of passing for one request's error."""
+    import torch.distributed as dist
+
+    from neuron_diffusers import consistency
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer")
+
+    monkeypatch.setattr(consistency.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(consistency.dist, "all_gather_object", lost)
+    with pytest.raises(consistency.GroupLostError, match="a peer of this rank's group is gone: .*Connection reset") as \
+            raised:
+        consistency.agree(ValueError("the call's own error"), object())
+    assert isinstance(raised.value, dist.DistError)
