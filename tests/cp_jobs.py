@@ -326,7 +326,7 @@ def cp_job(checkpoints: dict, calls: dict, api_cases: dict, runner: tuple, compi
     import time
     import traceback
 
-    from rank_jobs import compile_checks
+    from compile_jobs import compile_checks
 
     report, seconds = {}, {}
     for name, run in (("matrix", lambda: api_matrix(checkpoints, calls, api_cases)),
