@@ -102,12 +102,19 @@ def _fake_replica(channel: Channel, count: int):
                                      "phases": {"generate": 0.01}})
 
 
+def test_health_says_how_often_torchrun_restarted_the_group(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    scheduler = Scheduler([Channel(0, HashStore())], max_queue=1, metrics=Metrics())
+    client = TestClient(build_app(_config(), scheduler, Metrics(), request_timeout_s=0.5))
+    assert client.get("/health").json() == {"status": "ok", "restarts": 2}
+
+
 def test_http_layer_answers_refuses_and_queues_in_one_process():
     store = HashStore()
     metrics = Metrics()
     scheduler = Scheduler([Channel(0, store)], max_queue=1, metrics=metrics)
     client = TestClient(build_app(_config(), scheduler, metrics, request_timeout_s=0.5))
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "restarts": 0}
     assert client.get("/ready").status_code == 503
     assert client.post(GENERATIONS, json={"prompt": "a fox"}).status_code == 503  # still loading
     scheduler.ready.set()
