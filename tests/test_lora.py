@@ -34,7 +34,7 @@ RANK, ALPHA, SCALE = 4, 8.0, 0.6  # every family's LoRA over all Linears (FLUX.1
 SCALE_A = 0.7
 OTHER_SCALE = 1.0  # the controls: the same LoRA at another scale
 #: Transformer outputs are O(1); TP=2 and one process differ by reduction order only (float32 eps 1.2e-7 times the
-#: few hundred terms a sharded matmul or all-reduce sums in another order; measured below 2e-6).
+#: few hundred terms a sharded matmul or all-reduce sums in another order).
 TOL = 2e-5
 #: Float images in [0, 1] after two steps and the VAE: the same rounding, one order of magnitude of headroom more.
 IMAGE_TOL = 1e-4
