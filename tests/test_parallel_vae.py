@@ -128,16 +128,17 @@ def test_h3_tiles_take_turns_and_match_stock(vae_case):
         assert result["removed_is_stock"] and result["hooks_left"] == 0
 
 
-def test_h3_without_tiles_decodes_bit_exact(vae_case):
-    """Whole clips dealt out, blended by a sum whose other term is an exact zero: the leader's video is stock's bit
-    for bit (max difference 0.0), while another latent moves stock's video (the control: 0.0 is not a blind bar)."""
+def test_h3_without_tiles_decodes_and_encodes_bit_exact(vae_case):
+    """Whole clips dealt out, blended by a sum whose other term is an exact zero: the leader's video and every
+    rank's posterior are stock's bit for bit (max difference 0.0), while another latent (another video) moves stock's
+    output (the control: 0.0 is not a blind bar)."""
     ranks = vae_case("h3")
     first, second = (result["calls_run"] for result in ranks)
     assert first > 0 and second > 0, "both ranks must decode a clip"
     _assert_controls_exceed(ranks, "h3", bar=0.0)
     assert ranks[0]["decode"]["max"] == 0.0, ranks[0]["decode"]
     for result in ranks:
-        assert result["encode"]["max"] < ROUNDING and result["same_posterior_on_every_rank"]
+        assert result["encode"]["max"] == 0.0 and result["same_posterior_on_every_rank"], result["encode"]
         assert result["removed_is_stock"] and result["hooks_left"] == 0
 
 
