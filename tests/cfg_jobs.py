@@ -12,7 +12,8 @@ import contextlib
 
 import torch
 from rank_cases import CaseError, one_thread, record
-from rank_jobs import CFG_NEGATIVE, CFG_PROMPT, _job_outputs, _past_the_entry_check
+from rank_jobs import CFG_NEGATIVE, CFG_PROMPT, _job_outputs
+from runner_jobs import _past_the_entry_check
 
 
 def _forwards(pipe) -> int:

@@ -14,7 +14,7 @@ import copy
 import torch
 from cfg_jobs import final_latents
 from rank_cases import CaseError, one_thread, record
-from rank_jobs import _past_the_entry_check
+from runner_jobs import _past_the_entry_check
 
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.tools.plan.cases import predictions, reference_call
