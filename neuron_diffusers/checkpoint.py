@@ -31,7 +31,7 @@ from . import families, tiny
 from .distributed import check_heads_divisible
 from .families import Family, pipeline_record
 from .pipelines.base import required_components, transformer_class_name
-from .pipelines.generic import DraftedFamily, drafted_family
+from .pipelines.generic import DraftedFamily
 
 INDEX_FILES = ("model_index.json", "modular_model_index.json")
 
@@ -275,11 +275,23 @@ def _drafted(path: Path, index: dict, name: str) -> Family:
     return _draft_once(cls, str(path / "transformer"), json.dumps(config, sort_keys=True))
 
 
+#: Drafts the family of a stock class on a transformer folder (`pipelines/drafted.py`, set by the runner at import:
+#: the drafter's plan tools read checkpoints, so this module cannot import it).
+_drafter = None
+
+
+def set_drafter(drafter) -> None:
+    global _drafter
+    _drafter = drafter
+
+
 @functools.lru_cache(maxsize=8)
 def _draft_once(cls: type, folder: str, config_text: str) -> Family:
     """Drafted once per class and transformer config in a process (`resolve` runs in each step that needs it)."""
     del config_text  # part of the cache key only: a folder saved again with another config drafts again
-    return drafted_family(cls, folder)
+    if _drafter is None:
+        raise RuntimeError("No plan drafter is set: import neuron_diffusers (its runner sets it) before resolving.")
+    return _drafter(cls, folder)
 
 
 def _hub_snapshot(repo_id: str) -> Path:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from diffusers import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, set_drafter
 from .compat.plans import record_tp_plan, using_plan
 from .consistency import ENTRY_TIMEOUT_S, CallEntry, LatentAgreement, agree, raise_agreed, shareable
 from .distributed import (
@@ -59,9 +59,12 @@ from .parallel.lora import FusedLoras
 from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
 from .pipelines.base import SizeLimits, check_seeds, check_text
+from .pipelines.drafted import drafted_family
 from .pipelines.generic import shared_encoding
 from .pipelines.image_inputs import check_image_kwargs, reads_image, shared_image_inputs, vae_without_coders
 from .timing import PhaseTimes
+
+set_drafter(drafted_family)  # any other stock pipeline resolves to a plan drafted from its transformer
 
 # Inputs `generate` owns (passing them would bypass the one-rank encoding or the rank-consistent noise), and
 # FLUX.2's prompt upsampling, which it cannot run.

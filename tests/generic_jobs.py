@@ -52,3 +52,34 @@ def generic_job(argv: list[str]):
     runtime = detect_runtime()
     plan = plan_job(args, runtime.world_size, runtime.device_type)
     return run_job(plan, overwrite=False, compile_backend=None, warm=False, timeout_s=300)
+
+
+def served_and_generated(model: str):
+    """The server's path for one request (`plan_work`, then the replica loop's `make`) at TP=2, and the job's own
+    `generate` call for the same request: the leader's two images as arrays."""
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    import neuron_diffusers as nd
+    from neuron_diffusers.checkpoint import resolve
+    from neuron_diffusers.job import call_kwargs
+    from neuron_diffusers.serve.replica import make
+    from neuron_diffusers.serve.request import ImageRequest, ServeConfig, plan_work
+
+    torch.set_num_threads(1)
+    checkpoint = resolve(model)
+    config = ServeConfig(checkpoint, checkpoint.adapter.size_limits(checkpoint), (32, 32), 2, 50, 2048 * 2048, 2, 1,
+                         1, "float32")
+    work = plan_work(ImageRequest(prompt=PROMPT, size="32x32", seed=3), config)
+    pipe = nd.load_pipeline(checkpoint, nd.init_distributed(tp=2), torch_dtype=torch.float32)
+    served = make(pipe, work.task(), leader=pipe.is_leader)
+    request = work.requests[0]
+    generated = pipe.generate(request.prompt, seed=request.seed, **call_kwargs(request, pipe.adapter))
+    if served is None:
+        return None
+    assert "images" in served, served
+    return (np.asarray(Image.open(io.BytesIO(served["images"][0])).convert("RGB")),
+            np.asarray(generated[0].convert("RGB")))

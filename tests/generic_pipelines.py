@@ -73,7 +73,8 @@ def build_chroma(path) -> None:
                                            attention_head_dim=16, num_attention_heads=4, joint_attention_dim=_TEXT,
                                            axes_dims_rope=(4, 6, 6), approximator_num_channels=8,
                                            approximator_hidden_dim=32, approximator_layers=1)
-    ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae(4, shift_factor=0.1159, scaling_factor=0.3611),
+    ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                   vae=_vae(4, shift_factor=0.1159, scaling_factor=0.3611),
                    text_encoder=_t5(len(tokenizer)),
                    tokenizer=tokenizer, transformer=transformer).save_pretrained(path)
 

@@ -1,8 +1,8 @@
 """Any stock pipeline whose transformer the drafter plans: one adapter, read from the class's own signatures.
 
-A checkpoint folder whose pipeline no family runs resolves to a `DraftedFamily`: its plan is drafted from the
-transformer's module tree on the meta device (`drafting.draft_plan`), and a class whose draft is empty, fails
-`plan check` or cannot split at the asked TP degree is refused before any weight is read.
+A checkpoint folder whose pipeline no family runs resolves to a `DraftedFamily` (`drafted.py`): its plan is drafted
+from the transformer's module tree on the meta device, and a class whose draft is empty, fails `plan check` or cannot
+split at the asked TP degree is refused before any weight is read.
 
 The adapter copies nothing of the pipeline. The stock call gets the prompt strings and runs as in one process; where
 the class has an `encode_prompt`, that method is shadowed for the call by one that runs the group leader's CPU
@@ -59,29 +59,6 @@ class DraftedFamily(Family):
     @property
     def has_tiny(self) -> bool:
         return False
-
-
-def drafted_family(pipeline_class: type, transformer_folder) -> DraftedFamily:
-    """The drafted family of `pipeline_class` on the transformer saved in `transformer_folder` (its config only,
-    on the meta device); a `ValueError` says why a class cannot run on a drafted plan."""
-    from ..drafting import draft_plan  # the drafter pulls in the plan tools: imported when a folder needs it
-    from ..tools.plan.meta import meta_transformer
-
-    name = pipeline_class.__name__
-    if "callback_on_step_end" not in inspect.signature(pipeline_class.__call__).parameters:
-        raise ValueError(f"{name} takes no `callback_on_step_end`, which the check that every rank holds the same "
-                         "latents runs in: it cannot run on several ranks here.")
-    meta = meta_transformer(str(transformer_folder)).module
-    draft = draft_plan(meta)
-    if not draft.plan or draft.check_errors:
-        why = draft.check_errors[:2] or [f"{n.module}: {n.reason}" for n in draft.undecided[:2]] or [
-            "no Linear has a role the drafter knows"]
-        raise ValueError(
-            f"{name} runs a {type(meta).__name__}, for which no tensor-parallel plan can be drafted: "
-            f"{'; '.join(why)}. Write one by hand (docs/authoring.md) and register a family, or run it in one "
-            "process with stock diffusers.")
-    return DraftedFamily("generic", f"{name} (drafted plan)", "GenericAdapter", pipelines=(PipelineClass(name),),
-                         transformer=type(meta).__name__, drafted=draft.plan, degrees=tuple(draft.degrees))
 
 
 @contextmanager
