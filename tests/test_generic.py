@@ -106,28 +106,54 @@ def test_a_server_request_is_the_jobs_image(checkpoints, rank_pool):
     assert np.array_equal(served, generated)
 
 
-def _no_plan_folder(path):
-    """A SanaVideoPipeline folder whose transformer normalizes q / k over all heads together (no plan can split
-    them), with JSON files only and a weights file that is garbage: reading it would fail differently."""
-    from diffusers import SanaVideoTransformer3DModel
+def _json_only_folder(path, pipeline: str, component: str, model_class: str):
+    """A `pipeline` folder with `component` (a `model_class`'s default config on the meta device), JSON files only
+    and a weights file that is garbage: reading it would fail otherwise than the refusal."""
+    import diffusers
 
     with torch.device("meta"):
-        SanaVideoTransformer3DModel().save_config(path / "transformer")
-    (path / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
+        getattr(diffusers, model_class)().save_config(path / component)
+    (path / component / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
     (path / "model_index.json").write_text(json.dumps({
-        "_class_name": "SanaVideoPipeline", "_diffusers_version": "0.42.1",
-        "transformer": ["diffusers", "SanaVideoTransformer3DModel"]}))
+        "_class_name": pipeline, "_diffusers_version": "0.42.1", component: ["diffusers", model_class]}))
     return path
 
 
-def test_a_class_with_no_plan_is_refused_before_any_weight_is_read(tmp_path, monkeypatch):
+@pytest.mark.parametrize("pipeline, component, model_class, message", [
+    # Its q / k norms span every head together: no plan can split the heads, and nothing else is worth sharding.
+    ("SanaVideoPipeline", "transformer", "SanaVideoTransformer3DModel",
+     "SanaVideoPipeline runs a SanaVideoTransformer3DModel, for which no tensor-parallel plan can be drafted: "
+     ".*norm_q"),
+    ("PixArtSigmaPipeline", "transformer", "PixArtTransformer2DModel",
+     "PixArtSigmaPipeline takes no `callback_on_step_end`, which the check that every rank holds the same latents"),
+    ("StableDiffusionPipeline", "unet", "UNet2DConditionModel",
+     "StableDiffusionPipeline, which neuron_diffusers does not run: it splits a stock diffusers pipeline's "
+     "`transformer`"),
+])
+def test_a_class_with_no_plan_is_refused_before_any_weight_is_read(tmp_path, monkeypatch, pipeline, component,
+                                                                   model_class, message):
     import safetensors
 
     def no_reading(*args, **kwargs):
         raise AssertionError("a weight file was opened")
 
     monkeypatch.setattr(safetensors, "safe_open", no_reading)
-    folder = _no_plan_folder(tmp_path)
-    with pytest.raises(ValueError, match="SanaVideoPipeline runs a SanaVideoTransformer3DModel, for which no "
-                                         "tensor-parallel plan can be drafted: .*norm_q"):
-        load_pipeline(folder)
+    with pytest.raises(ValueError, match=message):
+        load_pipeline(_json_only_folder(tmp_path, pipeline, component, model_class))
+
+
+def test_the_job_refuses_a_degree_the_drafted_plan_does_not_split(checkpoints, tmp_path, generate_refuses,
+                                                                   monkeypatch):
+    # The tiny Chroma folder with full-size Chroma's transformer config: 24 heads, which 3 divides, but its drafted
+    # rules split evenly over 1, 2, 4 and 8 ranks only. 3 ranks are not launched for a refusal: the world size is
+    # faked (the check runs on the same path), and the weights (the tiny ones) are never read.
+    import shutil
+
+    from diffusers import ChromaTransformer2DModel
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    folder = shutil.copytree(checkpoints["chroma"], tmp_path / "chroma")
+    with torch.device("meta"):
+        ChromaTransformer2DModel().save_config(folder / "transformer")
+    generate_refuses(["--model", str(folder), "--prompt", "a fox", "--tp", "3"],
+                     "splits evenly over 1, 2, 4, 8 ranks only, not tp=3")
