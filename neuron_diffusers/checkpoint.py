@@ -267,9 +267,9 @@ def _drafted(path: Path, index: dict, name: str) -> Family:
         raise ValueError(
             f"{path} holds a {name or 'pipeline without a class name'}, which neuron_diffusers does not run: it "
             "splits a stock diffusers pipeline's `transformer` (a diffusers model), and this one has none. "
-            f"Hand-planned: {supported}; any other stock class with a transformer runs on a drafted plan. A new "
-            "family needs a TP plan, an adapter and a record in neuron_diffusers/families.py (docs/architecture.md, "
-            "\"Where does it go\")."
+            f"Supported: {supported} (hand-planned), and any other stock class with a diffusers `transformer` on a "
+            "drafted plan. A new family needs a TP plan, an adapter and a record in neuron_diffusers/families.py "
+            "(docs/architecture.md, \"Where does it go\")."
         )
     config = _read_json(path / "transformer" / "config.json")  # a missing or broken config is named here
     return _draft_once(cls, str(path / "transformer"), json.dumps(config, sort_keys=True))
