@@ -11,6 +11,7 @@ def generic_checks(checkpoints: dict, calls: dict) -> dict:
     (seed 0), whether this rank holds a text encoder, whether its transformer is sharded, and the decoded output."""
     import gc
 
+    import rank_jobs
     import torch
     from rank_cases import CaseError, record
     from torch.distributed.tensor import DTensor
@@ -30,6 +31,8 @@ def generic_checks(checkpoints: dict, calls: dict) -> dict:
                           **calls[name])
             report[f"{name}/{label}"] = made if made is None or not isinstance(made, list) else made[0].cpu()
         record(report, f"{name}/decoded", pipe.generate, PROMPT, seed=0, **calls[name])
+        record(report, f"{name}/divergence", rank_jobs._divergence, pipe, {**calls[name], "output_type": "latent"})
+        record(report, f"{name}/refused", _refusals, pipe, calls[name])
         transformer = pipe.adapter.transformer_of(pipe.pipe)
         report[f"{name}/roles"] = {
             "holds_text_encoder": any(getattr(pipe.pipe, c, None) is not None for c in pipe.adapter.text_components),
@@ -40,6 +43,18 @@ def generic_checks(checkpoints: dict, calls: dict) -> dict:
         del pipe
         gc.collect()
     return report
+
+
+def _refusals(pipe, call: dict) -> dict:
+    """What `generate` says, on every rank, to inputs it owns: embeddings, and several outputs per prompt."""
+    refused = {}
+    for name in ("prompt_embeds", "num_images_per_prompt", "num_videos_per_prompt"):
+        try:
+            pipe.generate(PROMPT, **{name: None if name == "prompt_embeds" else 2}, **call)
+            refused[name] = "accepted"
+        except ValueError as error:
+            refused[name] = str(error)
+    return refused
 
 
 def generic_job(argv: list[str]):

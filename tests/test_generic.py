@@ -83,6 +83,20 @@ def test_leader_decodes_what_the_pipeline_returns(reports, name):
         assert isinstance(output, Image.Image) and output.size == (32, 32)
 
 
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_divergent_noise_is_caught_at_the_first_step(reports, name):
+    for message in case(reports, f"{name}/divergence"):
+        assert "Latents differ across the tensor-parallel group" in message, message
+        assert "rank 1" in message and "seed" in message
+
+
+def test_inputs_generate_owns_are_refused_on_every_rank(reports):
+    for refused in case(reports, "ltx/refused"):
+        assert "encodes each prompt once on the group leader" in refused["prompt_embeds"]
+        assert "repeat the prompt" in refused["num_images_per_prompt"]
+        assert "`num_videos_per_prompt`: repeat the prompt" in refused["num_videos_per_prompt"]
+
+
 def test_the_job_writes_the_image_and_the_video(checkpoints, rank_pool, tmp_path):
     from neuron_diffusers.media import read_video_text
 
