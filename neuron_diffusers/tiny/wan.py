@@ -17,9 +17,9 @@ from ._tokenizers import t5_tokenizer
 
 # Height and width must be multiples of the VAE's 8x times the 2x2 patch: 32 x 32 gives 2 x 2 tokens per latent frame.
 DEFAULT_SIZE = (32, 32)
-# `num_frames - 1` must divide by the VAE's temporal 4: 9 frames are 3 latent frames (12 video tokens), which split
-# evenly for context parallelism of degree 2 and 4. (The release makes 81: 21 latent frames.)
-DEFAULT_NUM_FRAMES = 9
+# The pipeline's (and the release's) clip length: 81 frames, 21 latent frames (the VAE compresses time 4x after the
+# first frame); at 32 x 32 that is 84 video tokens, which split evenly for context parallelism of degree 2 and 4.
+DEFAULT_NUM_FRAMES = 81
 # Two transformer forwards (each with its CFG branch), at the default clip length.
 SMALLEST_CALL = {"num_inference_steps": 2, "num_frames": DEFAULT_NUM_FRAMES}
 

@@ -209,7 +209,10 @@ class _Recorder(TorchFunctionMode):
             self._handles.append(module.register_forward_hook(split_outputs))
 
     def _record(self, value, spec) -> None:
-        if isinstance(value, torch.Tensor):
+        # diffusers splits only a tensor with `expected_dims` dimensions (Wan's 1-D timestep is left whole; its 2-D
+        # per-token one, Wan 2.2 TI2V's, is split).
+        expected = getattr(spec, "expected_dims", None)
+        if isinstance(value, torch.Tensor) and (expected is None or value.ndim == expected):
             self._lengths.add(value.shape[spec.split_dim])
 
 
