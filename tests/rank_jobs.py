@@ -226,9 +226,9 @@ def _as_arrays(output):
     """A generated image (PIL) or clip (`VideoWithAudio`) as numpy arrays, so it pickles small and compares."""
     import numpy as np
 
-    if hasattr(output, "frames"):
-        return {"frames": output.frames.numpy(), "audio": output.audio.numpy(), "fps": output.fps,
-                "sampling_rate": output.sampling_rate}
+    if hasattr(output, "frames"):  # MiniMax-H3 with audio, Wan without
+        return {"frames": output.frames.numpy(), "audio": None if output.audio is None else output.audio.numpy(),
+                "fps": output.fps, "sampling_rate": output.sampling_rate}
     return {"image": np.asarray(output, dtype=np.float32) / 255.0}
 
 

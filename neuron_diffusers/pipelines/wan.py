@@ -58,6 +58,13 @@ class WanAdapter(StockPipelineAdapter):
         patch = checkpoint.config("transformer").get("patch_size", (1, 2, 2))
         return self.vae_scale_factor(checkpoint.config("vae")) * patch[1]
 
+    def max_side(self, checkpoint) -> tuple[int, str]:
+        """Wan's rotary tables hold `rope_max_seq_len` positions per axis (1024 released), counted in patches."""
+        positions = checkpoint.config("transformer").get("rope_max_seq_len", 1024)
+        token = self.size_multiple(checkpoint)
+        return positions * token, (f"its rotary tables hold {positions} positions per axis, one per {token}-pixel "
+                                   "patch")
+
     def split_lengths(self, checkpoint, call_kwargs: dict) -> dict[str, int]:
         """The video tokens: latent frames x (height / multiple) x (width / multiple); the text is not split."""
         if "height" not in call_kwargs or "width" not in call_kwargs:

@@ -47,7 +47,7 @@ def _transformer() -> WanTransformer3DModel:
     return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12,
                                  in_channels=_LATENT_CHANNELS, out_channels=_LATENT_CHANNELS, text_dim=_TEXT_DIM,
                                  freq_dim=32, ffn_dim=96, num_layers=2, cross_attn_norm=True,
-                                 qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+                                 qk_norm="rms_norm_across_heads", rope_max_seq_len=1024)
 
 
 def build(path: str | os.PathLike, seed: int = 0) -> None:
