@@ -267,7 +267,7 @@ def _arrays(output):
     import numpy as np
 
     if hasattr(output, "frames"):
-        return {"frames": output.frames.numpy(), "audio": output.audio.numpy()}
+        return {"frames": output.frames.numpy(), "audio": None if output.audio is None else output.audio.numpy()}
     image = np.asarray(output, dtype=np.float32)
     return {"image": image / 255.0 if image.max() > 1.0 else image}
 

@@ -47,6 +47,8 @@ API_CASES = {
     # 18 joint rows (14 text + 4 image) with the KV cache extracted, then read, and without; 17 rows ("_odd").
     "qwenimage21": [("from_pretrained", "u2", U2, ["extract", "cached", "nocache", "extract_odd"]),
                     ("enable_parallelism", "u2any", U2ANY, ["extract_odd", "cached_odd", "nocache_odd"])],
+    # Stock's _cp_plan splits the 84 video tokens (81 frames at 32 x 32) only; the text is never split.
+    "wan": [("from_pretrained", "u2", U2, ["pipeline"]), ("enable_parallelism", "r2", R2, ["pipeline"])],
 }
 MATCHES = {
     "flux": {("u2", "pipeline"), ("r2any", "pipeline"), ("r2any", "text7")},
@@ -55,6 +57,7 @@ MATCHES = {
     "h3": {("r2any", "pipeline"), ("u2any", "pipeline")},
     "qwenimage21": {("u2", "extract"), ("u2", "cached"), ("u2", "nocache"), ("u2any", "extract_odd"),
                     ("u2any", "cached_odd"), ("u2any", "nocache_odd")},
+    "wan": {("u2", "pipeline"), ("r2", "pipeline")},
 }
 REFUSED = {
     "split": "cannot split evenly",
@@ -207,6 +210,8 @@ def _stock(checkpoint, family, call, **extra):
             return {"frames": out["videos"][0].numpy(), "audio": out["audio"][0].numpy(),
                     "fps": float(pipe.fps), "sampling_rate": int(out["sampling_rate"])}
         pipe = DiffusionPipeline.from_pretrained(checkpoint)
+        if family == "wan":  # video alone, frames first, as the runner returns them
+            return {"frames": pipe(prompt=PROMPT, generator=generator, output_type="pt", **call).frames[0].numpy()}
         image = pipe(prompt=PROMPT, generator=generator, output_type="np", **call, **extra).images[0]
     return {"image": image}
 

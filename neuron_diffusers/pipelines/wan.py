@@ -30,7 +30,8 @@ class WanAdapter(StockPipelineAdapter):
     # `guidance_scale` decides whether the pipeline reads negative embeddings, so the encoding must know it.
     encode_kwargs = ("max_sequence_length", "guidance_scale")
     output_suffix = ".mp4"
-    output_types = ("latent",)  # otherwise a video (`VideoWithAudio`, no audio), written as MP4
+    #: "latent": the latents; "pt" (the default): the video, a `VideoWithAudio` of float frames (no audio), as MP4.
+    output_types = ("pt", "latent")
     #: The MP4's frame rate.
     fps = FPS
 
