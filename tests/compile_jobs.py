@@ -58,5 +58,6 @@ def _compile_family(mesh, checkpoint, call: dict, load_kwargs: dict, prompts: li
 
 def _max_output_diff(a, b) -> float:
     if hasattr(a, "frames"):
-        return max((a.frames - b.frames).abs().max().item(), (a.audio - b.audio).abs().max().item())
+        audio = 0.0 if a.audio is None else (a.audio - b.audio).abs().max().item()  # Wan makes no audio
+        return max((a.frames - b.frames).abs().max().item(), audio)
     return (a - b).abs().max().item()

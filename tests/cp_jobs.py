@@ -322,7 +322,7 @@ def _job_outputs(argv: list[str]) -> dict:
 def _arrays(output):
     """Latents (a tensor) or a clip (`VideoWithAudio`: its float frames and audio) as numpy arrays."""
     if hasattr(output, "frames"):
-        return {"frames": output.frames.numpy(), "audio": output.audio.numpy()}
+        return {"frames": output.frames.numpy(), "audio": None if output.audio is None else output.audio.numpy()}
     return {"latents": output.numpy()}
 
 

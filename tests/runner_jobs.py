@@ -15,8 +15,8 @@ def _as_arrays(output):
     import numpy as np
 
     if hasattr(output, "frames"):
-        return {"frames": output.frames.numpy(), "audio": output.audio.numpy(), "fps": output.fps,
-                "sampling_rate": output.sampling_rate}
+        return {"frames": output.frames.numpy(), "audio": None if output.audio is None else output.audio.numpy(),
+                "fps": output.fps, "sampling_rate": output.sampling_rate}
     if isinstance(output, np.ndarray):
         return {"image": output.astype(np.float32)}
     return {"image": np.asarray(output, dtype=np.float32) / 255.0}

@@ -32,7 +32,9 @@ from neuron_diffusers.parallel.layouts import Layout, layout_problem, valid_layo
 from neuron_diffusers.pipelines.qwenimage21_context import block_causal_mask, chunk
 from neuron_diffusers.runner import check_context_parallel_call
 
-FAMILIES = tiny.FAMILIES
+#: Wan's tp=2 x ulysses=2 generate against stock (latents, with a control) is tests/test_wan.py's; its API matrix
+#: and ring are not tested yet.
+FAMILIES = tuple(family for family in tiny.FAMILIES if family != "wan")
 #: Transformer outputs against one process: O(1) float32 values (eps 1.2e-7) through sums reordered by TP's
 #: all-reduce and CP's exchanges (measured max 7.2e-7); the controls (another text input) move them by far more.
 TOL = 1e-5

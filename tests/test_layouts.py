@@ -17,7 +17,7 @@ from neuron_diffusers.tools.plan.trace import trace
 # 16 px + 512 text; Qwen-Image 4096 + its 64-row text bucket; H3 1344x768 x 124 frames = 37 latent frames x
 # (42 x 24) patches + 2 x 207 audio latents + a 64-row text bucket.
 SIZES = {"flux": "1024x1024", "flux2": "1024x1024", "qwenimage": "1024x1024", "qwenimage21": "1024x1024",
-         "h3": "1344x768"}
+         "h3": "1344x768", "wan": "1280x720"}
 ATTENTION_ROWS = {"flux": 4608, "flux2": 4608, "qwenimage": 4160, "h3": 37 * 42 * 24 + 2 * 207 + 64}
 TRN2_MEMORY_GIB = 24
 

@@ -1,4 +1,5 @@
-"""Every script in samples/ runs offline on its tiny checkpoint and writes a valid PNG (MiniMax-H3: MP4 + WAV).
+"""Every script in samples/ runs offline on its tiny checkpoint and writes a valid PNG (MiniMax-H3: MP4 + WAV; Wan:
+MP4).
 
 Each run costs a few seconds of imports, so only FLUX.1 runs tensor-parallel under torchrun (2 CPU ranks over
 gloo); the others run as one plain process, which the same script supports. Qwen-Image-2.1 runs with true CFG and
@@ -17,7 +18,7 @@ import pytest
 from PIL import Image
 
 from neuron_diffusers import families, tiny
-from neuron_diffusers.tiny.h3 import DEFAULT_NUM_FRAMES
+from neuron_diffusers.tiny import h3, wan
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 # script, family, output name, extra arguments, ranks (None: one plain process)
@@ -28,6 +29,7 @@ CASES = [
     ("qwenimage21.py", "qwenimage21", "q21.png",
      ["--negative-prompt", "blurry", "--true-cfg-scale", "4", "--compile", "aot_eager"], None),
     ("h3.py", "h3", "h3.mp4", [], None),
+    ("wan.py", "wan", "wan.mp4", [], None),
 ]
 # One sample per family, named after it, pointing at the family's released checkpoint.
 REAL_IDS = {f"{family.name}.py": family.hub_id for family in families.FAMILIES if family.adapter is not None}
@@ -58,14 +60,18 @@ def test_sample_runs_offline_and_writes_valid_media(tmp_path, tmp_path_factory, 
     if out.suffix == ".mp4":
         import av
 
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["h3.mp4", "h3.wav"]  # no temporaries left
+        audio = family == "h3"  # MiniMax-H3 makes stereo audio beside its video; Wan makes video alone
+        expected = [name, out.with_suffix(".wav").name] if audio else [name]
+        assert sorted(p.name for p in tmp_path.iterdir()) == expected  # no temporaries left
         with av.open(str(out)) as container:
             kinds = sorted(stream.type for stream in container.streams)
             frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
-        assert kinds == ["audio", "video"] and len(frames) == DEFAULT_NUM_FRAMES
+        assert kinds == (["audio", "video"] if audio else ["video"])
+        assert len(frames) == (h3 if audio else wan).DEFAULT_NUM_FRAMES
         assert frames[0].shape == (height, width, 3)
-        with wave.open(str(out.with_suffix(".wav"))) as wav:
-            assert wav.getnchannels() == 2 and wav.getnframes() > 0
+        if audio:
+            with wave.open(str(out.with_suffix(".wav"))) as wav:
+                assert wav.getnchannels() == 2 and wav.getnframes() > 0
         return
     assert [p.name for p in tmp_path.iterdir()] == [name]  # the leader wrote it once, no temporaries left
     with Image.open(out) as image:

@@ -30,7 +30,8 @@ import torch
 
 from ...compat.plans import cp_plan_of
 from ...parallel.layouts import Layout
-from ...parallel.rules import collective_groups
+from ...parallel.rules import collective_groups, expand
+from ...tp_plans.styles import ShardedRMSNorm
 from .trace import Forward, Trace, module_patterns
 
 BYTES = 2  # bf16 activations
@@ -59,6 +60,9 @@ def model_shapes(model: torch.nn.Module, plan: dict) -> Shapes:
     patterns = module_patterns(model)
     linears = {name: (patterns[name], module.in_features, module.out_features)
                for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    # A `ShardedRMSNorm` all-reduces one float32 per row: counted like a Linear with 2 bf16 outputs per row.
+    linears |= {target.name: (patterns[target.name], target.module.weight.shape[0], 2)
+                for target in expand(model, plan) if isinstance(target.style, ShardedRMSNorm)}
     attention = tuple(patterns[name] for name, module in model.named_modules() if hasattr(module, "processor"))
     cp_plan = cp_plan_of(type(model)) or {}
     outputs = tuple(key for key, entry in cp_plan.items() if hasattr(entry, "gather_dim")) or ("proj_out",)

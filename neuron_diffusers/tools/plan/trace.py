@@ -30,6 +30,7 @@ from ... import tiny
 from ...checkpoint import resolve
 from ...compat.plans import cp_plan_of
 from ...families import Family
+from ...parallel import sharded_norm
 
 PROMPT = "a red fox in the snow"
 NEGATIVE_PROMPT = "blurry"
@@ -128,6 +129,8 @@ class _Recorder(TorchFunctionMode):
             self._first.setdefault(self._patterns[name], name)
             if isinstance(module, torch.nn.Linear):
                 self._handles.append(module.register_forward_hook(functools.partial(self._linear, name)))
+            elif sharded_norm.supports(module):  # a `ShardedRMSNorm` all-reduces one value per row
+                self._handles.append(module.register_forward_hook(functools.partial(self._norm, name)))
             elif hasattr(module, "processor"):
                 self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, name)))
                 self._handles.append(module.register_forward_hook(self._leave))
@@ -162,6 +165,10 @@ class _Recorder(TorchFunctionMode):
     def _linear(self, name, module, args, output) -> None:
         x = args[0]
         self._events.append((len(self._events), "linear", name, (x.numel() // module.in_features, x.ndim >= 3)))
+
+    def _norm(self, name, module, args, output) -> None:
+        x = args[0]
+        self._events.append((len(self._events), "linear", name, (x.numel() // x.shape[-1], x.ndim >= 3)))
 
     def _enter(self, name, module, args) -> None:
         self._attention_stack.append(name)
@@ -209,7 +216,10 @@ class _Recorder(TorchFunctionMode):
             self._handles.append(module.register_forward_hook(split_outputs))
 
     def _record(self, value, spec) -> None:
-        if isinstance(value, torch.Tensor):
+        # diffusers splits only a tensor with `expected_dims` dimensions (Wan's 1-D timestep is left whole; its 2-D
+        # per-token one, Wan 2.2 TI2V's, is split).
+        expected = getattr(spec, "expected_dims", None)
+        if isinstance(value, torch.Tensor) and (expected is None or value.ndim == expected):
             self._lengths.add(value.shape[spec.split_dim])
 
 

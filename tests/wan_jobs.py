@@ -1,0 +1,42 @@
+"""Rank jobs of tests/test_wan.py: Wan through `load_pipeline(...).generate(...)` at tp=2 and at tp=2 x ulysses=2."""
+
+from __future__ import annotations
+
+from rank_cases import one_thread, record
+
+import neuron_diffusers as nd
+
+#: The control prompt: the same call with it must move the latents by far more than the tolerance.
+PROMPTS = ("a red fox in the snow", "a capybara in a wizard hat")
+NEGATIVE = "blurry, low quality"
+#: Two steps of 9 frames at 32 x 32: 3 latent frames of 2 x 2 tokens (12 video tokens: they split for ulysses=2).
+CALL = dict(height=32, width=32, num_frames=9, num_inference_steps=2)
+
+
+def _latents(pipe, **kwargs) -> list | None:
+    """Each prompt's latents at seed 0 (the leader's; None elsewhere); default guidance: CFG, empty negative."""
+    outputs = [pipe.generate(prompt, seed=0, output_type="latent", **CALL, **kwargs) for prompt in PROMPTS]
+    return None if outputs[0] is None else [output[0].clone() for output in outputs]
+
+
+def _run(checkpoint, mesh) -> dict:
+    pipe = nd.load_pipeline(checkpoint, mesh)
+    transformer = pipe.adapter.transformer_of(pipe.pipe)
+    norm = transformer.blocks[0].attn1.norm_q
+    return {
+        "latents": _latents(pipe),
+        "negative": _latents(pipe, negative_prompt=NEGATIVE, guidance_scale=3.0),
+        "norm_width": tuple(norm.weight.to_local().shape),
+        "local_heads": transformer.blocks[0].attn1.heads,
+        "cp": pipe.cp_mode is not None,
+        "encoder": pipe.encoder is not None,
+    }
+
+
+def wan_job(checkpoint) -> dict:
+    """On 4 ranks: tp=2 (two replicas), then tp=2 x ulysses=2 (one image group of 4)."""
+    report = {}
+    with one_thread():
+        record(report, "tp2", _run, checkpoint, nd.init_distributed(tp=2))
+        record(report, "tp2u2", _run, checkpoint, nd.init_distributed(tp=2, ulysses=2))
+    return report
