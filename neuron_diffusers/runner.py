@@ -437,7 +437,8 @@ def load_pipeline(
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
     `model` is a checkpoint folder, a Hub id, a tiny family name, an already resolved `Checkpoint`, or a `LaunchSpec`
-    (`launch.plan_launch`: checked once, so nothing is checked here again; leave the keyword arguments out). `mesh`
+    (`launch.plan_launch`: checked once, so nothing is checked here again; leave the keyword arguments out; its
+    `compile` backend compiles the repeated blocks as the last step, else call `compile_repeated_blocks`). `mesh`
     defaults to `init_distributed()` (all ranks in one TP group); a mesh with "ring" / "ulysses" dimensions
     (`init_distributed(ulysses=..., ring=...)`) adds context parallelism. Only the image group's leader loads the
     text encoder (on CPU) and the VAE; on a mesh with a `cfg` dimension each image group of a CFG pair has its own
