@@ -31,6 +31,7 @@ from . import families, tiny
 from .distributed import check_heads_divisible
 from .families import Family, pipeline_record
 from .pipelines.base import required_components, transformer_class_name
+from .pipelines.generic import DraftedFamily
 
 INDEX_FILES = ("model_index.json", "modular_model_index.json")
 
@@ -117,8 +118,12 @@ class Checkpoint:
             return model_cls.from_config(self.config(component))
 
     def check_heads(self, tp: int) -> None:
-        """Reject a TP degree that does not divide the transformer's attention heads, naming the ones that do."""
+        """Reject a TP degree that does not divide the transformer's attention heads (or, on a drafted plan, that
+        the plan does not split evenly), naming the ones that do."""
         check_heads_divisible(str(self.path), self.config("transformer").get("num_attention_heads"), tp)
+        if isinstance(self.family, DraftedFamily) and tp not in self.family.degrees:
+            raise ValueError(f"The plan drafted for {self.path}'s {self.family.transformer} splits evenly over "
+                             f"{', '.join(map(str, self.family.degrees))} ranks only, not tp={tp}: pick one of those.")
 
     def check_safetensors(self) -> None:
         """The transformer's weights are safetensors (tensor-parallel loading streams each rank's slice out of them;
@@ -234,13 +239,8 @@ def _resolve(model: str | os.PathLike) -> Checkpoint:
     family = families.by_pipeline_class(name)
     if family is None:  # another stock class on a transformer we plan (a FLUX.1 Kontext folder): found by it
         family = _family_of_transformer(index, name)
-    if family is None:
-        supported = ", ".join(p.name for f in families.FAMILIES if f.adapter is not None for p in f.pipelines)
-        raise ValueError(
-            f"{path} holds a {name or 'pipeline without a class name'}, which neuron_diffusers does not run. "
-            f"Supported: {supported}. A new family needs a TP plan, an adapter and a record in "
-            "neuron_diffusers/families.py (docs/architecture.md, \"Where does it go\")."
-        )
+    if family is None:  # any other stock pipeline on a diffusers transformer: a plan drafted from its module tree
+        family = _drafted(path, index, name)
     checkpoint = Checkpoint(path, source, index, family)
     return checkpoint if name == family.adapter.pipeline_class else checkpoint.with_pipeline_class(name)
 
@@ -254,6 +254,44 @@ def _family_of_transformer(index: dict, class_name: str) -> Family | None:
         return None
     family = families.by_model_class(entry[1])
     return family if family is not None and family.adapter is not None else None
+
+
+def _drafted(path: Path, index: dict, name: str) -> Family:
+    """The drafted family of a stock pipeline whose `transformer` is a diffusers model, or a `ValueError` (nothing
+    read but JSON)."""
+    cls = getattr(diffusers, name, None)
+    entry = index.get("transformer")
+    if not (inspect.isclass(cls) and issubclass(cls, diffusers.DiffusionPipeline) and isinstance(entry, list)
+            and len(entry) > 1 and entry[0] == "diffusers" and transformer_class_name(cls) == entry[1]):
+        supported = ", ".join(p.name for f in families.FAMILIES if f.adapter is not None for p in f.pipelines)
+        raise ValueError(
+            f"{path} holds a {name or 'pipeline without a class name'}, which neuron_diffusers does not run: it "
+            "splits a stock diffusers pipeline's `transformer` (a diffusers model), and this one has none. "
+            f"Supported: {supported} (hand-planned), and any other stock class with a diffusers `transformer` on a "
+            "drafted plan. A new family needs a TP plan, an adapter and a record in neuron_diffusers/families.py "
+            "(docs/architecture.md, \"Where does it go\")."
+        )
+    config = _read_json(path / "transformer" / "config.json")  # a missing or broken config is named here
+    return _draft_once(cls, str(path / "transformer"), json.dumps(config, sort_keys=True))
+
+
+#: Drafts the family of a stock class on a transformer folder (`pipelines/drafted.py`, set by the runner at import:
+#: the drafter's plan tools read checkpoints, so this module cannot import it).
+_drafter = None
+
+
+def set_drafter(drafter) -> None:
+    global _drafter
+    _drafter = drafter
+
+
+@functools.lru_cache(maxsize=8)
+def _draft_once(cls: type, folder: str, config_text: str) -> Family:
+    """Drafted once per class and transformer config in a process (`resolve` runs in each step that needs it)."""
+    del config_text  # part of the cache key only: a folder saved again with another config drafts again
+    if _drafter is None:
+        raise RuntimeError("No plan drafter is set: import neuron_diffusers (its runner sets it) before resolving.")
+    return _drafter(cls, folder)
 
 
 def _hub_snapshot(repo_id: str) -> Path:

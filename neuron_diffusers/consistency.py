@@ -166,18 +166,32 @@ def shareable(error: BaseException) -> BaseException:
     return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+class GroupLostError(dist.DistError):
+    """The exchange `agree` makes failed: a peer is gone (or hung past the collective timeout), so the group is dead.
+
+    gloo reports a lost peer as a plain `RuntimeError` ("Connection reset by peer"), which would pass for one call's
+    own failure; raised as a `DistError`, it ends the job or the server (`except dist.DistError`) instead.
+    """
+
+
 def agree(error: BaseException | None, *groups) -> BaseException | None:
     """The error every rank of `groups` ends up with: the first one in rank order, or None if no rank failed.
 
     Every rank calls this with what it caught (or None). With two groups (a TP group, then the CFG pair of each of its
     ranks) the decision hops across both, so a whole replica agrees. The rank the error came from keeps its own
-    exception (with its traceback); the others get an equal copy.
+    exception (with its traceback); the others get an equal copy. Raises `GroupLostError` when the exchange itself
+    fails: nothing is left to agree with.
     """
     for group in groups:
         if group is None or dist.get_world_size(group) == 1:
             continue
         gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, None if error is None else shareable(error), group=group)
+        try:
+            dist.all_gather_object(gathered, None if error is None else shareable(error), group=group)
+        except dist.DistError:
+            raise
+        except RuntimeError as lost:  # only the transport can fail here: what travels was made picklable above
+            raise GroupLostError(f"a peer of this rank's group is gone: {lost}") from lost
         first = next((i for i, e in enumerate(gathered) if e is not None), None)
         if first is None:
             error = None

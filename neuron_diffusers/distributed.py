@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .topology import Nodes, check_node_local, detect_nodes, split_dims
+
 DEFAULT_TIMEOUT_S = 600.0
 
 #: The dimensions of a mesh with context parallelism.
@@ -40,7 +42,12 @@ CP_DIMS = ("dp", "cfg", "tp", "ring", "ulysses")
 ULYSSES_INNER = ("dp", "cfg", "tp", "ring", "ulysses")
 #: TP innermost: TP's all-reduces (two per block) on neighbouring ranks, the usual choice on NVLink GPUs.
 TP_INNER = ("dp", "cfg", "ring", "ulysses", "tp")
-MESH_ORDERS = {"ulysses-inner": ULYSSES_INNER, "tp-inner": TP_INNER}
+#: Ring outside TP and Ulysses: when one image spans nodes, its TP and Ulysses groups stay on one node and only the
+#: ring's point-to-point K/V passes cross (`topology.py`).
+RING_OUTER = ("dp", "cfg", "ring", "tp", "ulysses")
+MESH_ORDERS = {"ulysses-inner": ULYSSES_INNER, "tp-inner": TP_INNER, "ring-outer": RING_OUTER}
+#: The default order: ulysses-inner, unless that splits a TP or Ulysses group across nodes and ring-outer does not.
+AUTO_ORDER = "auto"
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,7 @@ def check_cp_degrees(world_size: int, *, tp: int, ulysses: int, ring: int, cfg: 
 
 
 def init_distributed(tp: int | None = None, *, ulysses: int = 1, ring: int = 1, cfg: int = 1,
-                     order=ULYSSES_INNER, timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
+                     order=AUTO_ORDER, cross_node: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> DeviceMesh:
     """Join (or start) the process group and return the mesh: ("dp", "tp"), ("dp", "cfg", "tp") for `cfg=2`, and all
     of `CP_DIMS` in `order` when `ulysses` or `ring` is above 1 (context parallelism).
 
@@ -169,15 +176,20 @@ def init_distributed(tp: int | None = None, *, ulysses: int = 1, ring: int = 1, 
     ulysses x ring)` replicas then run independent work. With `cfg=2` each replica is a pair of image groups that
     computes the cond and uncond branches of true classifier-free guidance at the same time (`load_pipeline(...)
     .generate` does it for you). `order` (context parallelism only) decides which dimension's groups are contiguous
-    runs of ranks, see `MESH_ORDERS`. `timeout_s` bounds every collective, so a dead rank makes the others fail with
-    an error instead of hanging forever. Calling it again returns a mesh over the existing group.
+    runs of ranks, see `MESH_ORDERS` ("auto": node-aware, `mesh_layout`). Across torchrun nodes a layout that puts one
+    TP or Ulysses group on several nodes is refused before the process group starts, unless `cross_node`.
+    `timeout_s` bounds every collective, so a dead rank makes the others fail with an error instead of hanging
+    forever. Calling it again returns a mesh over the existing group.
     """
     runtime = detect_runtime()
     tp = max(runtime.world_size // (cfg * ulysses * ring), 1) if tp is None else tp
     check_cfg_degree(cfg, tp, runtime.world_size)
     check_tp_degree(tp, runtime.world_size)
     check_cp_degrees(runtime.world_size, tp=tp, ulysses=ulysses, ring=ring, cfg=cfg)
-    mesh_order(order)  # a bad order is refused before the process group starts
+    nodes = detect_nodes(runtime.world_size)
+    names, sizes = mesh_layout(runtime.world_size, tp=tp, ulysses=ulysses, ring=ring, cfg=cfg, order=order,
+                               nodes=nodes)
+    check_node_local(sizes, names, nodes, cross_node=cross_node)
 
     if runtime.device_type != "cpu":
         torch.get_device_module(runtime.device_type).set_device(runtime.local_rank)
@@ -189,15 +201,41 @@ def init_distributed(tp: int | None = None, *, ulysses: int = 1, ring: int = 1, 
                 runtime.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         else:
-            dist.init_process_group(runtime.backend, timeout=timeout)
-    if ulysses * ring > 1:
-        return build_mesh(runtime.device_type, runtime.world_size, tp=tp, ulysses=ulysses, ring=ring, cfg=cfg,
-                          order=order)
-    if cfg == 1:
-        return init_device_mesh(runtime.device_type, (runtime.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh(
-        runtime.device_type, (runtime.world_size // (cfg * tp), cfg, tp), mesh_dim_names=("dp", "cfg", "tp")
-    )
+            dist.init_process_group(runtime.backend, timeout=timeout, **_attempt_store(runtime, timeout))
+    return init_device_mesh(runtime.device_type, tuple(sizes[name] for name in names), mesh_dim_names=names)
+
+
+def _attempt_store(runtime: Runtime, timeout: timedelta) -> dict:
+    """Under torchrun's agent store, the group's store for this restart attempt only (keyword arguments of
+    `init_process_group`; empty elsewhere, where the env:// default does).
+
+    torch 2.14's workers connect straight to the agent's TCP store, which outlives a group across
+    `--max-restarts`: keys a killed attempt left (gloo's peer addresses, a half-entered call of ours) would pair the
+    restarted ranks with the dead ones (measured: "Connection refused" at the first new subgroup). So every key of
+    the group goes under `TORCHELASTIC_RESTART_COUNT`.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), runtime.world_size,
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"neuron_diffusers/attempt_{attempt}", agent), "rank": runtime.rank,
+            "world_size": runtime.world_size}
+
+
+def mesh_layout(world_size: int, *, tp: int, ulysses: int = 1, ring: int = 1, cfg: int = 1, order=AUTO_ORDER,
+                nodes: Nodes | None = None) -> tuple[tuple[str, ...], dict[str, int]]:
+    """The mesh's dimension names, in order, and their sizes: ("dp", "tp") or ("dp", "cfg", "tp") without context
+    parallelism (TP innermost), all of `CP_DIMS` in `order` with it. "auto" takes ulysses-inner where it keeps every
+    TP and Ulysses group on one of `nodes` (always, on one node), else ring-outer where that does."""
+    sizes = {"dp": world_size // (cfg * tp * ulysses * ring), "cfg": cfg, "tp": tp, "ring": ring, "ulysses": ulysses}
+    if ulysses * ring == 1:
+        return (("dp", "tp") if cfg == 1 else ("dp", "cfg", "tp")), sizes
+    if order != AUTO_ORDER:
+        return mesh_order(order), sizes
+    nodes = nodes or Nodes(1, world_size)
+    local = [candidate for candidate in (ULYSSES_INNER, RING_OUTER) if not split_dims(sizes, candidate, nodes)]
+    return (local or [ULYSSES_INNER])[0], sizes
 
 
 def build_mesh(device_type: str, world_size: int, *, tp: int = 1, ulysses: int = 1, ring: int = 1, cfg: int = 1,

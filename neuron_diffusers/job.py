@@ -46,6 +46,7 @@ from .cli import finite_float, positive_float, positive_int
 from .compile import compile_repeated_blocks, compile_report, warmup
 from .consistency import agree, raise_agreed, shareable
 from .distributed import (
+    AUTO_ORDER,
     broadcast_object_from_replica_leader,
     cfg_rank,
     check_cfg_degree,
@@ -88,6 +89,7 @@ from .parallel.vae import resolve_parallel_vae
 from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs
 from .runner import check_context_parallel_call, load_pipeline
+from .topology import detect_nodes
 
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale", "image",
               "mask", "strength"}
@@ -174,7 +176,9 @@ class JobPlan:
     cp_any_length: bool = False
     #: `--plan`: the tensor-parallel plan's name (`parallel/plan_variants.py`), recorded with every output.
     tp_plan: str = "default"
-    mesh_order: str = "ulysses-inner"
+    mesh_order: str = AUTO_ORDER
+    #: `--cross-node`: TP or Ulysses groups may span nodes.
+    cross_node: bool = False
 
     @property
     def group(self) -> int:
@@ -479,7 +483,7 @@ def _plan(args, launch: LaunchSpec, requests: list[Request], true_cfg: frozenset
                    settings={"compile": args.compile, "warmup": args.warmup, "cache": args.cache}, cfg=launch.cfg,
                    true_cfg=true_cfg, notes=notes, keys=keys, done=done, job_digest=job_digest,
                    loras=lora_records, cache=launch.cache, ulysses=launch.ulysses, ring=launch.ring,
-                   cp_any_length=launch.cp_any_length, mesh_order=launch.mesh_order,
+                   cp_any_length=launch.cp_any_length, mesh_order=launch.mesh_order, cross_node=launch.cross_node,
                    parallel_vae=launch.parallel_vae, tp_plan=launch.plan, launch=launch)
 
 
@@ -566,7 +570,7 @@ def run_job(plan: JobPlan, *, overwrite: bool, compile_backend: str | None, warm
     """Generate this process's share of the requests (its replica's, see `pair_work`); rank 0 returns (and writes)
     the summary. Any failure is raised on every rank alike."""
     mesh = init_distributed(tp=plan.tp, ulysses=plan.ulysses, ring=plan.ring, cfg=plan.cfg, order=plan.mesh_order,
-                            timeout_s=timeout_s)
+                            cross_node=plan.cross_node, timeout_s=timeout_s)
     lock = _lock_out_dir(plan)
     try:
         return _run_locked(plan, mesh, overwrite, compile_backend, warm)
@@ -735,7 +739,10 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
     return {
         "model": plan.checkpoint.source,
         "checkpoint": str(plan.checkpoint.path),
-        "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size},
+        "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size,
+                 "nodes": detect_nodes(plan.world_size).count},
+        # torchrun --max-restarts: how many times the agent restarted the group before this run (0: first attempt).
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         "dtype": plan.dtype,
         "plan": plan.tp_plan,
         "loras": plan.loras,

@@ -20,11 +20,12 @@ from . import tiny
 from .checkpoint import Checkpoint, resolve
 from .cli import positive_int
 from .compile import compiled_block_classes, resolve_backend
-from .distributed import MESH_ORDERS, check_cp_degrees, check_tp_degree
+from .distributed import AUTO_ORDER, MESH_ORDERS, check_cp_degrees, check_tp_degree, mesh_layout
 from .parallel import context
 from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import LoadedLora, LoraSpec, check_loras, lora_loader, read_lora
 from .parallel.plan_variants import VARIANTS, variant_plan
+from .topology import check_node_local, detect_nodes
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -54,10 +55,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, lora_type=None,
                        help="with --ulysses or --ring: any image size and prompt length, exactly, in diffusers' "
                             "*_anything modes (not with --compile); default: sizes whose tokens split, others refused "
                             "with nearby ones")
-    group.add_argument("--mesh-order", choices=sorted(MESH_ORDERS), default="ulysses-inner",
-                       help="which ranks are neighbours under context parallelism: ulysses-inner (default: "
-                            "contiguous all-to-all groups, as Neuron needs) or tp-inner (TP all-reduces between "
-                            "neighbours)")
+    group.add_argument("--mesh-order", choices=sorted([*MESH_ORDERS, AUTO_ORDER]), default=AUTO_ORDER,
+                       help="which ranks are neighbours under context parallelism: ulysses-inner (contiguous "
+                            "all-to-all groups, as Neuron needs), tp-inner (TP all-reduces between neighbours), "
+                            "ring-outer (ring across nodes); auto (default): ulysses-inner, or ring-outer where "
+                            "that keeps every TP and Ulysses group on one node")
+    group.add_argument("--cross-node", action="store_true",
+                       help="allow a TP or Ulysses group to span torchrun nodes (refused by default: their "
+                            "collectives run in every block and would cross the network)")
     group.add_argument("--parallel-vae", action=argparse.BooleanOptionalAction, default=None,
                        help="every rank of a TP group decodes (and encodes) one piece of each image, so none idles "
                             "and the decode's memory is split; --no-parallel-vae: the TP leader decodes alone "
@@ -102,7 +107,9 @@ class LaunchSpec:
     ring: int = 1
     #: 2: replicas are CFG pairs of image groups; else 1.
     cfg: int = 1
-    mesh_order: str = "ulysses-inner"
+    mesh_order: str = AUTO_ORDER
+    #: Whether a TP or Ulysses group may span nodes (`topology.check_node_local`).
+    cross_node: bool = False
     cp_any_length: bool = False
     #: The tensor-parallel plan's name and its table (`parallel/plan_variants.py`).
     plan: str = "default"
@@ -159,6 +166,11 @@ def mesh_degrees(args, world_size: int) -> tuple[int, int]:
     tp = args.tp or max(world_size // (pairs * args.ulysses * args.ring), 1)
     check_tp_degree(tp, world_size)
     check_cp_degrees(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring)
+    # Before any weight is read: the node layout comes from torchrun's environment alone.
+    nodes = detect_nodes(world_size)
+    names, sizes = mesh_layout(world_size, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
+                               order=args.mesh_order, nodes=nodes)
+    check_node_local(sizes, names, nodes, cross_node=args.cross_node)
     return tp, pairs
 
 
@@ -224,7 +236,8 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
     runner_mode(checkpoint, checkpoint.adapter.buckets, args.ulysses, args.ring, args.cp_any_length,
                 compiled=bool(args.compile))
     return LaunchSpec(checkpoint, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
-                      mesh_order=args.mesh_order, cp_any_length=args.cp_any_length, plan=args.plan, tp_plan=tp_plan,
+                      mesh_order=args.mesh_order, cross_node=args.cross_node, cp_any_length=args.cp_any_length,
+                      plan=args.plan, tp_plan=tp_plan,
                       cache=cache, cache_text=args.cache, parallel_vae=args.parallel_vae,
                       compile=args.compile, warmup=args.warmup, dtype=default_dtype(args.dtype, device_type),
                       loras=read_loras(checkpoint, loras))

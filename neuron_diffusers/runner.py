@@ -35,7 +35,7 @@ import torch.distributed as dist
 from diffusers import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, set_drafter
 from .compat.plans import record_tp_plan, using_plan
 from .compile import compile_repeated_blocks
 from .consistency import ENTRY_TIMEOUT_S, CallEntry, LatentAgreement, agree, raise_agreed, shareable
@@ -60,8 +60,12 @@ from .parallel.lora import FusedLoras
 from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
 from .pipelines.base import SizeLimits, check_seeds, check_text
+from .pipelines.drafted import drafted_family
+from .pipelines.generic import shared_encoding
 from .pipelines.image_inputs import check_image_kwargs, reads_image, shared_image_inputs, vae_without_coders
 from .timing import PhaseTimes
+
+set_drafter(drafted_family)  # any other stock pipeline resolves to a plan drafted from its transformer
 
 # Inputs `generate` owns (passing them would bypass the one-rank encoding or the rank-consistent noise), and
 # FLUX.2's prompt upsampling, which it cannot run.
@@ -205,7 +209,7 @@ class ParallelPipeline:
         """This group's images of the call (index -> output), and the first error, kept for the pair to agree on."""
         encode_kwargs = {k: pipeline_kwargs[k] for k in self.adapter.encode_kwargs if k in pipeline_kwargs}
         # A vision-language encoder that reads the image encodes inside the call, where the pipeline resized it.
-        in_call = bool(image_kwargs) and reads_image(self.adapter.pipeline_cls())
+        in_call = self.adapter.prompt_in_call or (bool(image_kwargs) and reads_image(self.adapter.pipeline_cls()))
         outputs, error = {}, None
         try:
             for index in mine:
@@ -274,8 +278,10 @@ class ParallelPipeline:
             images = shared_image_inputs(self.pipe, vae=self.follower_vae() if self.follower_vae else self.pipe.vae,
                                          encoder=self.encoder, tp_group=image_group(self.mesh), pair_group=cfg_group,
                                          device=mesh_device(self.mesh), decodes=self.is_leader or splits_vae,
-                                         text_encode=in_call, vae_splits=splits_vae,
+                                         text_encode=in_call and self.adapter.leader_encodes, vae_splits=splits_vae,
                                          pad_encoded=lambda encoded: self.adapter.pad_encoded(encoded, self.buckets))
+        elif in_call and self.adapter.leader_encodes:  # the generic adapter: the leader's encoder for the group
+            images = shared_encoding(self.pipe, self.encoder, image_group(self.mesh), mesh_device(self.mesh))
         cache = self.cache
         with torch.no_grad(), self.times.phase("denoise + decode"), proxy, images, \
                 cache.pipeline_call() if cache is not None else nullcontext():

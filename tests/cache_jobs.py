@@ -1,4 +1,5 @@
-"""Functions that run on spawned gloo ranks for tests/test_cache.py (module level, so `spawn` imports them)."""
+"""Functions that run on the session's gloo rank pool for tests/test_cache.py (module level, so the pool imports
+them), one job a case, each result recorded on its own (`rank_cases.record`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 from diffusers.hooks.first_block_cache import FBCHeadBlockHook
 from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
-from rank_jobs import _job_outputs
+from rank_cases import CaseError, one_thread, record
 
 import neuron_diffusers as nd
 from neuron_diffusers import tiny
@@ -25,13 +26,14 @@ THRESHOLD = 0.5  # the tiny random models' first-block residual moves a lot: at 
 ALONE_CASES = {"qwenimage21": 1.0, "h3": 0.2, "flux2": "mag"}
 
 
-def taylorseer():
-    return TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=2, taylor_factors_dtype=torch.float32)
+def taylorseer(cache_interval: int = 2):
+    return TaylorSeerCacheConfig(cache_interval=cache_interval, disable_cache_before_step=2,
+                                 taylor_factors_dtype=torch.float32)
 
 
-def mag_cache():
+def mag_cache(threshold: float = 0.2):
     """MagCache with diffusers' FLUX.1-dev ratios (interpolated to the steps): a fixed schedule that skips."""
-    return MagCacheConfig(mag_ratios=FLUX_MAG_RATIOS, num_inference_steps=STEPS, threshold=0.2)
+    return MagCacheConfig(mag_ratios=FLUX_MAG_RATIOS, num_inference_steps=STEPS, threshold=threshold)
 
 
 def config_of(name: str):
@@ -40,6 +42,16 @@ def config_of(name: str):
     if name == "mag":
         return mag_cache()
     return FirstBlockCacheConfig(threshold=THRESHOLD if name == "first-block" else name)
+
+
+def control_config_of(name: str):
+    """The controls' cache: the same kind at another threshold, 0, where it skips nothing (TaylorSeer, which has no
+    threshold: an interval of 1). Its output must differ from the cached one by more than the tolerance."""
+    if name == "taylorseer":
+        return taylorseer(cache_interval=1)
+    if name == "mag":
+        return mag_cache(threshold=0.0)
+    return FirstBlockCacheConfig(threshold=0.0)
 
 
 def call_of(family: str) -> dict:
@@ -140,28 +152,43 @@ def _compiled(pipe, group) -> dict:
             "graph_breaks": after["graph_breaks"] - start["graph_breaks"]}
 
 
-def cache_checks(checkpoints: dict, job_argv: list[str]) -> dict:
-    """Two ranks: at TP=2, then as one CFG pair (cfg=2, tp=1) with true CFG: cached generations and their decisions,
-    the perturbation, compile, and the `generate` job with `--cache`."""
-    torch.set_num_threads(1)
+def _case_check(checkpoint, family: str, name, mesh_kwargs: dict, extras: bool, **kwargs) -> dict:
+    """One cached generation (`generation`: output, counts and decisions) on `init_distributed(**mesh_kwargs)`; with
+    `extras` (FLUX.1's first-block case at TP=2) also the perturbation and the compiled run on the same pipeline."""
     report = {}
-    mesh = nd.init_distributed(tp=2)
-    group = mesh["tp"].get_group()
-    for family, name in (("flux", "first-block"), ("qwenimage", "first-block"), ("flux", "taylorseer"),
-                         *((family, setting) for family, setting in ALONE_CASES.items())):
-        pipe = nd.load_pipeline(checkpoints[family], mesh, cache=config_of(name))
-        report[f"tp2 {family} {name}"] = _generation(pipe, family)
-        if (family, name) == ("flux", "first-block"):
-            report["perturbation"] = _perturbation(pipe, group)
-            report["compiled"] = _compiled(pipe, group)
+    with one_thread():
+        mesh = nd.init_distributed(**mesh_kwargs)
+        pipe = record(report, "generation", nd.load_pipeline, checkpoint, mesh, cache=config_of(name))
+        if isinstance(pipe, CaseError):
+            return dict.fromkeys(("generation", "perturbation", "compiled"), pipe)
+        record(report, "generation", _generation, pipe, family, **kwargs)
+        if extras:
+            group = mesh["tp"].get_group()
+            record(report, "perturbation", _perturbation, pipe, group)
+            record(report, "compiled", _compiled, pipe, group)
+            torch._dynamo.reset()
         del pipe
         gc.collect()
+    return report
 
-    pair = nd.init_distributed(tp=1, cfg=2)
-    for family, name in (("flux", "first-block"), ("qwenimage", "first-block"), ("flux", "taylorseer")):
-        pipe = nd.load_pipeline(checkpoints[family], pair, cache=config_of(name))
-        report[f"cfg2 {family} {name}"] = _generation(pipe, family, **TRUE_CFG)
-        del pipe
-        gc.collect()
-    report["job"] = _job_outputs(job_argv)
+
+def tp2_case_check(checkpoint, family: str, name) -> dict:
+    """At TP=2: the cached generation of (`family`, cache `name`); FLUX.1's first-block case also runs the
+    perturbation and the compiled blocks."""
+    extras = (family, name) == ("flux", "first-block")
+    return _case_check(checkpoint, family, name, {"tp": 2}, extras)
+
+
+def cfg_pair_case_check(checkpoint, family: str, name) -> dict:
+    """As one CFG pair (cfg=2, tp=1) with true CFG: the cached generation, each rank one guidance branch."""
+    return _case_check(checkpoint, family, name, {"tp": 1, "cfg": 2}, False, **TRUE_CFG)
+
+
+def job_check(job_argv: list[str]) -> dict:
+    """The `generate` job with `--cache` on two ranks."""
+    from rank_jobs import _job_outputs
+
+    report = {}
+    with one_thread():
+        record(report, "job", _job_outputs, job_argv)
     return report

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 from rank_cases import one_thread
-from rank_jobs import _past_the_entry_check
+from runner_jobs import _past_the_entry_check
 
 PROMPT = "make the fox red"
 NEGATIVE = "blurry"

@@ -1,4 +1,8 @@
-"""Rank functions for tests/test_reliability.py (module level, so `spawn` can import them): one spawn does it all."""
+"""Rank jobs for tests/test_reliability.py, run on the session's pool of ranks (`rank_pool`): one job a topic, each
+case recorded on its own (`rank_cases.record`), so a case that fails fails only the test that reads it.
+
+A pool's rank runs other jobs before and after these: every job leaves the process as it found it (threads, logging
+handlers, patched functions)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from rank_cases import CaseError, one_thread, record
 
 #: A prompt whose encoding fails on the encoding rank only (`_leader_encoding_fails`): what a tokenizer error is.
 LEADER_ONLY_FAILURE = "a prompt the leader's tokenizer refuses"
@@ -44,20 +49,17 @@ def _leader_encoding_fails(pipe) -> None:
     pipe.adapter.encode = failing
 
 
-def serving_loop(checkpoint) -> dict:
-    """A serving loop on a TP=2 group: a good request, five kinds of bad request, and the good one again.
+def _every_case_failed(names, error: CaseError) -> dict:
+    """A job whose set-up (the load) failed: every case reports that failure, so each test says why."""
+    return dict.fromkeys(names, error)
 
-    The process group's collective timeout is 60 s (see the test): a group put out of step would wait that long at
-    its next collective and fail there.
-    """
-    import neuron_diffusers as nd
 
-    mesh = nd.init_distributed(tp=2)
-    pipe = nd.load_pipeline(checkpoint, mesh, buckets=(16,))
-    _leader_encoding_fails(pipe)
-    start = time.monotonic()
-    first = _image(pipe.generate("a red fox", seed=0, **GOOD))
-    bad = {
+SERVING_CASES = ("first", "again", "partial", "after_partial", "mismatch", "after_mismatch", "seconds")
+
+
+def _bad_requests(pipe) -> dict:
+    """Eight kinds of bad request on a serving loop, by the name the test reads."""
+    return {
         "prompt not a string": lambda: pipe.generate(5, seed=0, **GOOD),
         "encoding fails on the leader only": lambda: pipe.generate(LEADER_ONLY_FAILURE, seed=0, **GOOD),
         "bad return option": lambda: pipe.generate("a red fox", seed=0, **{**GOOD, "output_type": "bogus"}),
@@ -67,20 +69,39 @@ def serving_loop(checkpoint) -> dict:
         "seed beyond 64 bits": lambda: pipe.generate(["a", "b"], seed=2**64 - 1, **GOOD),
         "size beyond the model": lambda: pipe.generate("a red fox", seed=0, **{**GOOD, "height": 98320}),
     }
-    report = {"bad": {name: _outcome(call) for name, call in bad.items()}}
-    report["again"] = _image(pipe.generate("a red fox", seed=0, **GOOD))
-    report["first"] = first
 
-    # Part of the group: rank 0 calls alone (rank 1 waits in a barrier meanwhile) and gives up after the entry
-    # timeout; the next call pairs the ranks up again.
-    pipe.entry_timeout_s = 3.0
-    report["partial"] = _outcome(lambda: pipe.generate("a red fox", seed=0, **GOOD)) if dist.get_rank() == 0 else None
-    dist.barrier()
-    report["after_partial"] = _image(pipe.generate("a red fox", seed=0, **GOOD))
-    # Different arguments on the two ranks: both refuse, before any collective.
-    report["mismatch"] = _outcome(lambda: pipe.generate("a red fox", seed=dist.get_rank(), **GOOD))
-    report["after_mismatch"] = _image(pipe.generate("a red fox", seed=0, **GOOD))
-    report["seconds"] = time.monotonic() - start
+
+def serving_loop(checkpoint) -> dict:
+    """A serving loop on a TP=2 group: a good request, eight kinds of bad request (cases `("bad", kind)`), the good
+    one again, then a call by part of the group and one with different arguments, each followed by the good one.
+
+    A group put out of step would wait at its next collective and fail there (the pool's collective timeout)."""
+    import neuron_diffusers as nd
+
+    report = {}
+    with one_thread():
+        pipe = record(report, "load", nd.load_pipeline, checkpoint, nd.init_distributed(tp=2), buckets=(16,))
+        if isinstance(pipe, CaseError):
+            return _every_case_failed([*SERVING_CASES, *(("bad", kind) for kind in _bad_requests(None))], pipe)
+        _leader_encoding_fails(pipe)
+        start = time.monotonic()
+        record(report, "first", lambda: _image(pipe.generate("a red fox", seed=0, **GOOD)))
+        for kind, call in _bad_requests(pipe).items():
+            report["bad", kind] = _outcome(call)
+        record(report, "again", lambda: _image(pipe.generate("a red fox", seed=0, **GOOD)))
+
+        # Part of the group: rank 0 calls alone (rank 1 waits in a barrier meanwhile) and gives up after the entry
+        # timeout; the next call pairs the ranks up again.
+        pipe.entry_timeout_s = 3.0
+        report["partial"] = (_outcome(lambda: pipe.generate("a red fox", seed=0, **GOOD)) if dist.get_rank() == 0
+                             else None)
+        dist.barrier()
+        record(report, "after_partial", lambda: _image(pipe.generate("a red fox", seed=0, **GOOD)))
+        # Different arguments on the two ranks: both refuse, before any collective.
+        report["mismatch"] = _outcome(lambda: pipe.generate("a red fox", seed=dist.get_rank(), **GOOD))
+        record(report, "after_mismatch", lambda: _image(pipe.generate("a red fox", seed=0, **GOOD)))
+        report["seconds"] = time.monotonic() - start
+    del report["load"]
     return report
 
 
@@ -88,15 +109,30 @@ def cfg_pair_loop(checkpoint) -> dict:
     """One CFG pair (tp=1, cfg=2): a bad true-CFG request fails alike on both groups; the pair then still works."""
     import neuron_diffusers as nd
 
-    mesh = nd.init_distributed(tp=1, cfg=2)
-    pipe = nd.load_pipeline(checkpoint, mesh, buckets=(16,))
-    _leader_encoding_fails(pipe)
-    cfg = {**GOOD, "negative_prompt": "blurry", "true_cfg_scale": 4.0}
-    return {
-        "leader_only": _outcome(lambda: pipe.generate(LEADER_ONLY_FAILURE, seed=0, **cfg)),
-        "leader_only_split": _outcome(lambda: pipe.generate(["a red fox", LEADER_ONLY_FAILURE], seed=0, **GOOD)),
-        "good": _image(pipe.generate("a red fox", seed=0, **cfg)),
-    }
+    report = {}
+    with one_thread():
+        pipe = record(report, "load", nd.load_pipeline, checkpoint, nd.init_distributed(tp=1, cfg=2), buckets=(16,))
+        if isinstance(pipe, CaseError):
+            return _every_case_failed(("leader_only", "leader_only_split", "good"), pipe)
+        _leader_encoding_fails(pipe)
+        cfg = {**GOOD, "negative_prompt": "blurry", "true_cfg_scale": 4.0}
+        report["leader_only"] = _outcome(lambda: pipe.generate(LEADER_ONLY_FAILURE, seed=0, **cfg))
+        report["leader_only_split"] = _outcome(lambda: pipe.generate(["a red fox", LEADER_ONLY_FAILURE], seed=0,
+                                                                     **GOOD))
+        record(report, "good", lambda: _image(pipe.generate("a red fox", seed=0, **cfg)))
+    del report["load"]
+    return report
+
+
+class _Collect(logging.Handler):
+    """The package's warnings while a job runs."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def nan_checks(nan_checkpoint) -> dict:
@@ -105,22 +141,24 @@ def nan_checks(nan_checkpoint) -> dict:
     import neuron_diffusers as nd
     from neuron_diffusers.consistency import LatentAgreement
 
-    warnings = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            warnings.append(record.getMessage())
-
-    logging.getLogger("neuron_diffusers").addHandler(Collect(logging.WARNING))
-    mesh = nd.init_distributed(tp=2)
-    pipe = nd.load_pipeline(nan_checkpoint, mesh)
-    report = {"nan_checkpoint": _outcome(lambda: pipe.generate("a red fox", seed=0, **GOOD))}
-    latents = torch.ones(1, 4, 8)
-    if dist.get_rank() == 1:
-        latents[0, 0, 3] = float("nan")  # one element, on one rank
-    check = LatentAgreement(mesh["tp"].get_group())
-    report["one_nan"] = _outcome(lambda: check.check([latents], "step 3"))
-    report["warnings"] = warnings
+    collect, logger = _Collect(), logging.getLogger("neuron_diffusers")
+    logger.addHandler(collect)
+    report = {}
+    try:
+        with one_thread():
+            mesh = nd.init_distributed(tp=2)
+            pipe = record(report, "load", nd.load_pipeline, nan_checkpoint, mesh)
+            report["nan_checkpoint"] = pipe if isinstance(pipe, CaseError) else _outcome(
+                lambda: pipe.generate("a red fox", seed=0, **GOOD))
+            latents = torch.ones(1, 4, 8)
+            if dist.get_rank() == 1:
+                latents[0, 0, 3] = float("nan")  # one element, on one rank
+            check = LatentAgreement(mesh["tp"].get_group())
+            report["one_nan"] = _outcome(lambda: check.check([latents], "step 3"))
+    finally:
+        logger.removeHandler(collect)
+    report["warnings"] = report["load"] if isinstance(report["load"], CaseError) else collect.messages
+    del report["load"]
     return report
 
 
@@ -147,18 +185,13 @@ def disk_full(argv_tp2: list[str], argv_dp2: list[str]) -> dict:
     PIL.Image.Image.save = save
     report = {}
     try:
-        for name, argv in (("tp2", argv_tp2), ("dp2", argv_dp2)):
-            writes.clear()
-            args = _parser().parse_args(["generate", *argv])
-            report[name] = _outcome(lambda args=args: run_job(plan_job(args, detect_runtime().world_size, "cpu"),
-                                                               overwrite=False, compile_backend=None, warm=False,
-                                                               timeout_s=60))
+        with one_thread():
+            for name, argv in (("tp2", argv_tp2), ("dp2", argv_dp2)):
+                writes.clear()
+                args = _parser().parse_args(["generate", *argv])
+                report[name] = _outcome(lambda args=args: run_job(plan_job(args, detect_runtime().world_size, "cpu"),
+                                                                   overwrite=False, compile_backend=None, warm=False,
+                                                                   timeout_s=60))
     finally:
         PIL.Image.Image.save = real_save
     return report
-
-
-def all_checks(checkpoints: dict, argv_tp2: list[str], argv_dp2: list[str]) -> dict:
-    torch.set_num_threads(1)  # as torchrun does: ranks share the cores
-    return {"serving": serving_loop(checkpoints["qwenimage"]), "cfg": cfg_pair_loop(checkpoints["qwenimage"]),
-            "nan": nan_checks(checkpoints["nan_flux"]), "disk_full": disk_full(argv_tp2, argv_dp2)}

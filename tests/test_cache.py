@@ -1,10 +1,12 @@
 """Step caching under parallelism: diffusers' cache hooks with every skip decision shared by the group.
 
-One spawn (2 gloo ranks) runs every parallel case, at TP=2 and as one CFG pair (cfg=2, tp=1) with true CFG, plus the
-`generate` job; the stock single-process references run in this process, with stock `enable_cache` (FLUX.1,
-Qwen-Image) or the same `GroupCache` alone (Qwen-Image-2.1, MiniMax-H3, FLUX.2, which stock cannot cache). "Same
-decisions" is checked step by step, the outputs to 1e-4 (float32; measured: within 1e-6 of stock, while the cache
-itself moves the tiny FLUX.1 image by about 1e-2).
+Each parallel case runs as its own job on the session's gloo rank pool (`rank_pool`), at TP=2 or as one CFG pair
+(cfg=2, tp=1) with true CFG, plus the `generate` job; each result is recorded on its own (`rank_cases`). The stock
+single-process references run in this process, with stock `enable_cache` (FLUX.1, Qwen-Image) or the same
+`GroupCache` alone (Qwen-Image-2.1, MiniMax-H3, FLUX.2, which stock cannot cache). "Same decisions" is checked step
+by step, the float outputs (before the 8-bit rounding) to 1e-4 max: float32 rounding of O(1) values through reordered
+TP sums (measured within 1e-6 of stock). The control: the same cache at another threshold (0: nothing skipped)
+moves stock's output by more than that (the cache itself moves the tiny FLUX.1 image by about 1e-2).
 """
 
 import json
@@ -14,11 +16,11 @@ import cache_jobs
 import numpy as np
 import pytest
 import torch
+from rank_cases import case
 
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.cli import main as cli_main
 from neuron_diffusers.parallel.cache import check_cache, check_cache_config, enable_group_cache, parse_cache_spec
-from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21", "h3")
 TOLERANCE = 1e-4
@@ -26,6 +28,7 @@ TOLERANCE = 1e-4
 PROBES = {("flux", "first-block"): "single_transformer_blocks.1.norm",
           ("qwenimage", "first-block"): "transformer_blocks.1.img_mod",
           ("flux", "taylorseer"): "single_transformer_blocks.1.attn.to_q"}
+ALONE = list(cache_jobs.ALONE_CASES.items())
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +42,26 @@ def job_out(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def report(checkpoints, job_out):
+def cases(checkpoints, rank_pool):
+    """`cases(layout, family, name)` → both ranks' reports of that case's job ("tp2" or "cfg2"), run on first use."""
+    made = {}
+    jobs = {"tp2": cache_jobs.tp2_case_check, "cfg2": cache_jobs.cfg_pair_case_check}
+
+    def get(layout, family, name):
+        if (layout, family, name) not in made:
+            made[layout, family, name] = rank_pool.run(jobs[layout], 2, checkpoints[family], family, name,
+                                                       timeout_s=900)
+        return made[layout, family, name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def job_report(checkpoints, job_out, rank_pool):
     argv = ["--model", str(checkpoints["flux"]), "--prompt", cache_jobs.PROMPT, "--out", str(job_out),
             "--negative-prompt", cache_jobs.NEGATIVE, "--true-cfg-scale", "4", "--cfg-parallel", "--height", "32",
             "--width", "32", "--steps", str(cache_jobs.STEPS), "--cache", f"first-block:{cache_jobs.THRESHOLD}"]
-    return run_on_cpu_ranks(cache_jobs.cache_checks, 2, checkpoints, argv, timeout_s=1200)
+    return rank_pool.run(cache_jobs.job_check, 2, argv, timeout_s=900)
 
 
 @pytest.fixture(scope="module")
@@ -74,27 +92,52 @@ def _call(pipe, family, **kwargs):
         return {"image": pipe(prompt=cache_jobs.PROMPT, generator=generator, **call).images[0]}
 
 
-def stock_cached(pipe, family, name, **kwargs):
-    """Stock `enable_cache` alone: the output and, per transformer forward in call order, whether it computed the
-    part the cache skips (the probe module ran)."""
-    transformer = pipe.transformer
-    transformer.enable_cache(cache_jobs.config_of(name))
-    ran = []
-    handles = [transformer.register_forward_pre_hook(lambda *_: ran.append(False)),
-               transformer.get_submodule(PROBES[family, name]).register_forward_pre_hook(
-                   lambda *_: ran.__setitem__(-1, True))]
-    try:
-        return _call(pipe, family, **kwargs), ran
-    finally:
-        for handle in handles:
-            handle.remove()
-        transformer.disable_cache()
+_STOCK = {}
 
 
-def _assert_close(output, expected, what):
+def stock_cached(pipe, family, name, control=False, **kwargs):
+    """Stock `enable_cache` alone (once per argument set): the output and, per transformer forward in call order,
+    whether it computed the part the cache skips (the probe module ran). `control`: the same cache at another
+    threshold (`cache_jobs.control_config_of`), the output only."""
+    key = (family, name, control, tuple(sorted(kwargs.items())))
+    if key not in _STOCK:
+        transformer = pipe.transformer
+        transformer.enable_cache(cache_jobs.control_config_of(name) if control else cache_jobs.config_of(name))
+        ran = []
+        handles = [transformer.register_forward_pre_hook(lambda *_: ran.append(False)),
+                   transformer.get_submodule(PROBES[family, name]).register_forward_pre_hook(
+                       lambda *_: ran.__setitem__(-1, True))]
+        try:
+            _STOCK[key] = _call(pipe, family, **kwargs), ran
+        finally:
+            for handle in handles:
+                handle.remove()
+            transformer.disable_cache()
+    return _STOCK[key]
+
+
+def stock_alone(pipe, family, name, control=False):
+    """The same `GroupCache` in one process, for families stock cannot cache: the output and its shared decisions."""
+    key = (family, name, control, "alone")
+    if key not in _STOCK:
+        config = cache_jobs.control_config_of(name) if control else cache_jobs.config_of(name)
+        cache = enable_group_cache(pipe.transformer, config)
+        try:
+            with cache.pipeline_call():
+                expected = _call(pipe, family)
+            _STOCK[key] = expected, [d.shared for d in cache.decisions]
+        finally:
+            cache.remove()
+    return _STOCK[key]
+
+
+def _assert_close_with_control(output, expected, control, what):
+    """Every array of `output` within `TOLERANCE` of stock's, and the control (another threshold) further."""
     assert output.keys() == expected.keys()
     for name in expected:
         assert output[name].shape == expected[name].shape, what
+        moved = np.abs(control[name] - expected[name]).max()
+        assert moved > TOLERANCE, f"{what}: another threshold moves {name} by only {moved:.2e}: blind"
         difference = np.abs(output[name] - expected[name]).max()
         assert difference < TOLERANCE, f"{what}: {name} differs by {difference:.2e}"
 
@@ -103,83 +146,143 @@ def _shared(rank, context=None):
     return [shared for ctx, _, shared in rank["decisions"] if context is None or ctx == context]
 
 
+def _generations(cases, layout, family, name):
+    return case(cases(layout, family, name), "generation")
+
+
+# -- TP=2 against stock enable_cache ---------------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("family, name", list(PROBES))
-def test_tp2_cached_image_equals_stock_with_the_same_decisions(report, stock_pipes, family, name):
-    expected, ran = stock_cached(stock_pipes(family), family, name)
-    leader, other = (rank[f"tp2 {family} {name}"] for rank in report)
+def test_tp2_cached_image_equals_stock(cases, stock_pipes, family, name):
+    expected, _ = stock_cached(stock_pipes(family), family, name)
+    control, _ = stock_cached(stock_pipes(family), family, name, control=True)
+    leader, other = _generations(cases, "tp2", family, name)
     assert other["output"] is None
-    _assert_close(leader["output"], expected, f"{family} {name}")
+    _assert_close_with_control(leader["output"], expected, control, f"{family} {name}")
+
+
+@pytest.mark.parametrize("family, name", list(PROBES))
+def test_tp2_ranks_share_every_decision(cases, stock_pipes, family, name):
+    _, ran = stock_cached(stock_pipes(family), family, name)
+    leader, other = _generations(cases, "tp2", family, name)
     assert 0 < sum(ran) < len(ran), f"the cache must skip some forwards and compute others: {ran}"
     assert leader["decisions"] == other["decisions"]
-    for rank in (leader, other):
+
+
+@pytest.mark.parametrize("family, name", list(PROBES))
+def test_tp2_computes_the_forwards_stock_computes(cases, stock_pipes, family, name):
+    _, ran = stock_cached(stock_pipes(family), family, name)
+    for rank in _generations(cases, "tp2", family, name):
         assert rank["counts"]["computed"] == sum(ran) and rank["counts"]["cached"] == len(ran) - sum(ran)
         if name == "first-block":  # one decision per forward
             assert _shared(rank) == ran
 
 
+# -- a CFG pair with true CFG ------------------------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("family, name", list(PROBES))
-def test_cfg_pair_cached_image_equals_stock_true_cfg(report, stock_pipes, family, name):
-    """Each rank computes one guidance branch under its own context, with the stock branch's decisions."""
-    expected, ran = stock_cached(stock_pipes(family), family, name, **cache_jobs.TRUE_CFG)
-    cond, uncond = (rank[f"cfg2 {family} {name}"] for rank in report)
-    _assert_close(cond["output"], expected, f"{family} {name} true CFG")
+def test_cfg_pair_cached_image_equals_stock_true_cfg(cases, stock_pipes, family, name):
+    expected, _ = stock_cached(stock_pipes(family), family, name, **cache_jobs.TRUE_CFG)
+    control, _ = stock_cached(stock_pipes(family), family, name, control=True, **cache_jobs.TRUE_CFG)
+    cond, uncond = _generations(cases, "cfg2", family, name)
     assert uncond["output"] is None
+    _assert_close_with_control(cond["output"], expected, control, f"{family} {name} true CFG")
+
+
+@pytest.mark.parametrize("family, name", list(PROBES))
+def test_cfg_pair_each_rank_decides_its_own_branch_as_stock(cases, stock_pipes, family, name):
+    """Each rank computes one guidance branch under its own context, with the stock branch's decisions."""
+    _, ran = stock_cached(stock_pipes(family), family, name, **cache_jobs.TRUE_CFG)
+    cond, uncond = _generations(cases, "cfg2", family, name)
     assert {c for c, _, _ in cond["decisions"]} == {"cond"} and {c for c, _, _ in uncond["decisions"]} == {"uncond"}
     if name == "first-block":
         assert _shared(cond) == ran[0::2] and _shared(uncond) == ran[1::2]
+
+
+@pytest.mark.parametrize("family, name", list(PROBES))
+def test_cfg_pair_counts_both_branches_on_both_ranks(cases, stock_pipes, family, name):
+    _, ran = stock_cached(stock_pipes(family), family, name, **cache_jobs.TRUE_CFG)
+    cond, uncond = _generations(cases, "cfg2", family, name)
     assert cond["counts"] == uncond["counts"]  # the image's forwards, both branches, on both ranks
     assert cond["counts"]["computed"] == sum(ran) and cond["counts"]["cached"] == len(ran) - sum(ran) > 0
     assert set(cond["counts"]["by_context"]) == {"cond", "uncond"}
 
 
-@pytest.mark.parametrize("family", list(cache_jobs.ALONE_CASES))
-def test_tp2_caches_families_stock_cannot(report, stock_pipes, family):
+# -- families stock cannot cache ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family, name", ALONE)
+def test_tp2_caches_families_stock_cannot_as_one_process(cases, stock_pipes, family, name):
     """Qwen-Image-2.1 and MiniMax-H3 blocks get metadata here, FLUX.2's and H3's pipelines a cache context: TP=2
     equals the same cache in one process."""
-    pipe = stock_pipes(family)
-    cache = enable_group_cache(pipe.transformer, cache_jobs.config_of(cache_jobs.ALONE_CASES[family]))
-    try:
-        with cache.pipeline_call():
-            expected = _call(pipe, family)
-        decisions = [d.shared for d in cache.decisions]
-    finally:
-        cache.remove()
-    leader, other = (rank[f"tp2 {family} {cache_jobs.ALONE_CASES[family]}"] for rank in report)
-    _assert_close(leader["output"], expected, family)
-    assert _shared(leader) == _shared(other) == decisions
+    expected, _ = stock_alone(stock_pipes(family), family, name)
+    control, _ = stock_alone(stock_pipes(family), family, name, control=True)
+    leader, _ = _generations(cases, "tp2", family, name)
+    _assert_close_with_control(leader["output"], expected, control, family)
+
+
+@pytest.mark.parametrize("family, name", ALONE)
+def test_tp2_caches_families_stock_cannot_with_the_same_decisions(cases, stock_pipes, family, name):
+    _, decisions = stock_alone(stock_pipes(family), family, name)
+    leader, other = _generations(cases, "tp2", family, name)
     assert 0 < sum(decisions) < len(decisions), decisions
+    assert _shared(leader) == _shared(other) == decisions
 
 
-def test_one_ranks_perturbed_residual_cannot_split_the_group(report):
-    """Threshold aimed at step 1's metric; rank 1's residual nudged by 1e-6: its own decision flips, the group's
-    does not (without the vote the ranks would take different branches, and TP hangs in a block's collective)."""
-    rank0, rank1 = (rank["perturbation"] for rank in report)
+# -- FLUX.1's first-block case at TP=2: a perturbed rank, compiled blocks ------------------------------------------
+
+
+def _perturbation(cases):
+    return case(cases("tp2", "flux", "first-block"), "perturbation")
+
+
+def test_one_ranks_perturbed_residual_flips_its_own_decision(cases):
+    """Threshold aimed at step 1's metric; rank 1's residual nudged by 1e-6: its own decision flips."""
+    rank0, rank1 = _perturbation(cases)
     assert rank0["threshold"] == rank1["threshold"] == rank0["metrics"][1]
     local0 = [local for _, local, _ in rank0["decisions"]]
     local1 = [local for _, local, _ in rank1["decisions"]]
     assert local0[1] is False and local1[1] is True
-    assert _shared(rank0) == _shared(rank1) and _shared(rank0)[1] is True  # compute if any rank would
+
+
+def test_one_ranks_perturbed_residual_cannot_split_the_group(cases):
+    """The group's decision does not flip apart (without the vote the ranks would take different branches, and TP
+    hangs in a block's collective): compute if any rank would."""
+    rank0, rank1 = _perturbation(cases)
+    assert _shared(rank0) == _shared(rank1) and _shared(rank0)[1] is True
     assert np.isfinite(rank0["output"]["image"]).all()  # and the group's latents agreed at the last step
 
 
-def test_compiled_blocks_with_the_cache_do_not_recompile(report):
-    for rank in report:
-        result = rank["compiled"]
+def test_compiled_blocks_with_the_cache_do_not_recompile(cases):
+    for result in case(cases("tp2", "flux", "first-block"), "compiled"):
         assert result["graph_breaks"] == 0
         assert result["graphs_after_warmup"] == 2  # FLUX.1: the double- and the single-stream block
         assert result["new_graphs"] == 0 and result["new_recompiles"] == 0, result
+
+
+def test_compiled_blocks_with_the_cache_take_eager_decisions(cases):
+    for result in case(cases("tp2", "flux", "first-block"), "compiled"):
         for compiled in result["compiled"]:
             assert compiled["decisions"] == result["eager"]["decisions"]
             assert compiled["counts"]["cached"] > 0
-    leader = report[0]["compiled"]
+
+
+def test_compiled_blocks_with_the_cache_give_the_eager_image(cases, stock_pipes):
+    leader = case(cases("tp2", "flux", "first-block"), "compiled")[0]
+    control, _ = stock_cached(stock_pipes("flux"), "flux", "first-block", control=True)
     for compiled in leader["compiled"]:
-        _assert_close(compiled["output"], leader["eager"]["output"], "compiled vs eager")
+        _assert_close_with_control(compiled["output"], leader["eager"]["output"], control, "compiled vs eager")
 
 
-def test_job_reports_forwards_computed_and_cached(report, job_out, capsys):
+# -- the job ------------------------------------------------------------------------------------------------------
+
+
+def test_job_reports_forwards_computed_and_cached(job_report, job_out, capsys):
     from neuron_diffusers.job import format_phases
 
-    job = report[0]["job"]
+    job = case(job_report, "job")[0]
     summary = job["summary"]
     (image,) = summary["images"]
     counts = image["cache"]

@@ -1,4 +1,9 @@
-"""The `generate` job end to end under torchrun: TP=2, DP=2 x TP=1, .jsonl seeds, resume, a killed rank, bad input."""
+"""The `generate` job end to end under torchrun: TP=2, DP=2 x TP=1, .jsonl seeds, resume, a killed rank, bad input.
+
+The job's PNGs are compared with another run's at one level per value and at most 0.5% of values differing, with a
+control (stock's PNG of another prompt, same seed, must fail that bar); the same configurations, planned from the
+same arguments, are compared at the latents with stock (`runner_jobs.job_latents` on the session's rank pool).
+"""
 
 import json
 import os
@@ -10,9 +15,12 @@ import time
 import numpy as np
 import psutil
 import pytest
+import runner_jobs
 from PIL import Image
+from test_runner import LATENT_TOLERANCE, OTHER_PROMPT, max_diff, png_difference, png_matches, stock_latents
 
 from neuron_diffusers.cli import main
+from neuron_diffusers.tiny import FAMILIES
 
 PROMPTS_JSONL = [
     {"prompt": "a red fox in the snow", "seed": 7},
@@ -41,21 +49,92 @@ def _pngs(folder):
     return sorted(p.name for p in folder.glob("*.png"))
 
 
-@pytest.fixture
-def prompts_jsonl(tmp_path):
-    path = tmp_path / "prompts.jsonl"
+def _write_jsonl(path):
     path.write_text("\n".join(json.dumps(entry) for entry in PROMPTS_JSONL) + "\n")
     return path
 
 
-def test_tp2_jsonl_matches_single_process_with_per_line_seeds(tmp_path, prompts_jsonl):
+@pytest.fixture
+def prompts_jsonl(tmp_path):
+    return _write_jsonl(tmp_path / "prompts.jsonl")
+
+
+DP2_PROMPTS = "a red fox\na blue bird\n\na green frog\n"  # the blank line is skipped
+
+
+@pytest.fixture(scope="module")
+def stock_flux():
+    """The stock FLUX.1 pipeline (the job's default model), alone in this process."""
+    from diffusers import DiffusionPipeline
+
+    from neuron_diffusers.checkpoint import resolve
+
+    return DiffusionPipeline.from_pretrained(resolve(FAMILIES[0]).path)
+
+
+@pytest.fixture(scope="module")
+def job_latents(rank_pool, tmp_path_factory):
+    """`job_latents(layout)` → every request's latents (and stock call) of the TP=2 .jsonl job ("tp2") or the DP=2
+    job ("dp2"), planned from the tests' own arguments on 2 pool ranks (the first run of each)."""
+    folder, made = tmp_path_factory.mktemp("job-latents"), {}
+    (folder / "prompts.txt").write_text(DP2_PROMPTS)
+    argv = {"tp2": ["--prompts", str(_write_jsonl(folder / "prompts.jsonl")), "--tp", "2"],
+            "dp2": ["--prompts", str(folder / "prompts.txt"), "--tp", "1"]}
+
+    def get(layout):
+        if layout not in made:
+            ranks = rank_pool.run(runner_jobs.job_latents, 2, [*argv[layout], "--out", str(folder / layout)],
+                                  timeout_s=600)
+            made[layout] = {request["index"]: request for rank in ranks for request in rank}
+        return made[layout]
+
+    return get
+
+
+def _stock_png(stock_flux, request: dict, prompt: str):
+    """Stock's 8-bit image of `request` with another prompt (same seed and call): the PNG bar's control."""
+    import torch
+
+    with torch.no_grad():
+        return stock_flux(prompt=prompt, negative_prompt=request["negative_prompt"], **request["kwargs"],
+                          generator=torch.Generator().manual_seed(request["seed"])).images[0]
+
+
+def _assert_png_bar_sees_another_prompt(control, reference):
+    """Stock's PNG of another prompt (same seed and call) falls outside the PNG bar: the comparisons can fail."""
+    moved = png_difference(control, reference)
+    assert not png_matches(control, reference), f"blind: another prompt is within the bar: {moved}"
+
+
+def _assert_png_matches(path, reference):
+    ours = Image.open(path).convert("RGB")
+    assert png_matches(ours, reference), f"{path.name}: {png_difference(ours, reference)} (levels, fraction differing)"
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_job_configurations_give_stock_latents(job_latents, stock_flux, layout):
+    """The jobs below, planned from the same arguments, make every request's latents within float32 rounding of
+    stock's (same prompt, seed and call); stock's latents for another prompt differ by more."""
+    made = job_latents(layout)
+    assert sorted(made) == [0, 1, 2]
+    first = made[0]
+    moved = max_diff(stock_latents(stock_flux, first, prompt=OTHER_PROMPT), stock_latents(stock_flux, first))
+    assert moved > LATENT_TOLERANCE, f"blind: another prompt moves the latents by only {moved:.1e}"
+    for index, request in made.items():
+        difference = max_diff(request["latents"], stock_latents(stock_flux, request))
+        assert difference < LATENT_TOLERANCE, f"request {index}: latents differ from stock by {difference:.1e}"
+
+
+def test_tp2_jsonl_matches_single_process_with_per_line_seeds(tmp_path, prompts_jsonl, job_latents, stock_flux):
     tp2, single = tmp_path / "tp2", tmp_path / "single"
     _run(tp2, "--prompts", str(prompts_jsonl), "--tp", "2", ranks=2)
     _run(single, "--prompts", str(prompts_jsonl))
     names = ["00000-a-red-fox-in-the-snow.png", "00001-a-blue-bird.png", "00002-a-green-frog-on-a-leaf.png"]
     assert _pngs(tp2) == _pngs(single) == names
-    for name in names:
-        assert np.abs(_pixels(tp2 / name) - _pixels(single / name)).mean() < 1 / 255
+    references = [Image.open(single / name).convert("RGB") for name in names]
+    _assert_png_bar_sees_another_prompt(_stock_png(stock_flux, job_latents("tp2")[0], OTHER_PROMPT), references[0])
+    for name, reference in zip(names, references, strict=True):
+        _assert_png_matches(tp2 / name, reference)
     assert _pixels(tp2 / names[0]).std() > 0.01, "the image is flat: nothing was generated"
     settings = [Image.open(tp2 / name).text for name in names]
     # Per-line seeds win; a line without one gets --seed (0) + its index.
@@ -71,9 +150,9 @@ def test_tp2_jsonl_matches_single_process_with_per_line_seeds(tmp_path, prompts_
     assert not list(tp2.glob(".*")), "temporary files left behind"
 
 
-def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path):
+def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path, job_latents, stock_flux):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red fox\na blue bird\n\na green frog\n")  # the blank line is skipped
+    prompts.write_text(DP2_PROMPTS)
     out = tmp_path / "out"
     result = _run(out, "--prompts", str(prompts), "--tp", "1", ranks=2)
     assert "wrote 3 of 3" in result.stdout and "dp=2" in result.stdout
@@ -82,7 +161,9 @@ def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path):
     assert summary["mesh"]["shape"] == [2, 1] and len(summary["phases_per_tp_group"]) == 2
     single = tmp_path / "single"
     _run(single, "--prompt", "a blue bird", "--seed", "1")  # image 1 of the file: seed 0 + 1
-    assert np.abs(_pixels(out / "00001-a-blue-bird.png") - _pixels(single / "00000-a-blue-bird.png")).mean() < 1 / 255
+    reference = Image.open(single / "00000-a-blue-bird.png").convert("RGB")
+    _assert_png_bar_sees_another_prompt(_stock_png(stock_flux, job_latents("dp2")[1], OTHER_PROMPT), reference)
+    _assert_png_matches(out / "00001-a-blue-bird.png", reference)
 
     written = {p.name: p.stat().st_mtime_ns for p in out.glob("*.png")}
     result = _run(out, "--prompts", str(prompts), "--tp", "1", ranks=2)

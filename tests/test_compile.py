@@ -2,15 +2,18 @@
 
 FLUX.1 and FLUX.2 pad text to `max_sequence_length` themselves; Qwen-Image, Qwen-Image-2.1 and MiniMax-H3 pad
 exactly into length buckets (their defaults: nothing is passed to `load_pipeline`).
+
+One job a family on the session's pool of 2 ranks (`rank_pool`), the family its case (`rank_cases`): a family that
+fails fails only its own tests.
 """
 
+import compile_jobs
 import pytest
-import rank_jobs
 import torch
+from rank_cases import case
 
 from neuron_diffusers import tiny
 from neuron_diffusers.compile import resolve_backend
-from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 FAMILIES = tiny.FAMILIES
 WORDS = "red fox snow forest light mountain river cloud".split()
@@ -27,24 +30,32 @@ PROMPTS_TO_200_WORDS = prompts_of([1 + round(i * 199 / 19) for i in range(20)])
 
 
 @pytest.fixture(scope="module")
-def compile_report(tiny_checkpoint):
-    checkpoints = {family: tiny_checkpoint(family) for family in FAMILIES}
-    prompts = {family: PROMPTS_TO_200_WORDS if family == "qwenimage21" else PROMPTS for family in FAMILIES}
-    return run_on_cpu_ranks(rank_jobs.compile_checks, 2, checkpoints, {f: tiny.smallest_call(f) for f in FAMILIES},
-                            {}, prompts, "aot_eager", timeout_s=900)
+def compile_report(tiny_checkpoint, rank_pool):
+    """`compile_report(family)` → both ranks' results for that family on `aot_eager` (its job runs on first use)."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            prompts = PROMPTS_TO_200_WORDS if family == "qwenimage21" else PROMPTS
+            reports = rank_pool.run(compile_jobs.compile_checks, 2, {family: tiny_checkpoint(family)},
+                                    {family: tiny.smallest_call(family)}, {}, prompts, "aot_eager", timeout_s=900)
+            made[family] = case(reports, family)
+        return made[family]
+
+    return get
 
 
 @pytest.fixture(scope="module")
-def inductor_report(tiny_checkpoint):
+def inductor_report(tiny_checkpoint, rank_pool):
     """The same on a real compiler backend (C++ codegen on CPU), for one family: FLUX.2, the cheapest to build."""
-    return run_on_cpu_ranks(rank_jobs.compile_checks, 2, {"flux2": tiny_checkpoint("flux2")},
+    reports = rank_pool.run(compile_jobs.compile_checks, 2, {"flux2": tiny_checkpoint("flux2")},
                             {"flux2": tiny.smallest_call("flux2")}, {}, PROMPTS[::4], "inductor", timeout_s=900)
+    return case(reports, "flux2")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_no_graph_breaks_and_no_recompiles_after_warmup(compile_report, family):
-    for rank, report in enumerate(compile_report):
-        result = report[family]
+    for rank, result in enumerate(compile_report(family)):
         assert result["graph_breaks"] == 0, f"rank {rank}"
         assert result["graphs_after_warmup"] > 0
         assert result["new_graphs"] == 0 and result["new_recompiles"] == 0, f"rank {rank}: {result}"
@@ -59,21 +70,20 @@ EXPECTED_GRAPHS = {"flux": 2, "flux2": 2, "qwenimage": 5, "qwenimage21": 10, "h3
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_graph_per_block_class_and_declared_shape(compile_report, family):
-    for report in compile_report:
-        assert report[family]["graphs_after_warmup"] == EXPECTED_GRAPHS[family]
+    for result in compile_report(family):
+        assert result["graphs_after_warmup"] == EXPECTED_GRAPHS[family]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_output_equals_eager(compile_report, family):
-    leader = compile_report[0][family]
+    leader = compile_report(family)[0]
     assert leader["diff"] is not None and leader["diff"] < 1e-5
 
 
 def test_inductor_backend_no_breaks_no_recompiles_equals_eager(inductor_report):
-    for report in inductor_report:
-        result = report["flux2"]
+    for result in inductor_report:
         assert result["graph_breaks"] == 0 and result["new_graphs"] == 0 and result["new_recompiles"] == 0
-    assert inductor_report[0]["flux2"]["diff"] < 1e-5
+    assert inductor_report[0]["diff"] < 1e-5
 
 
 def test_backend_resolution():

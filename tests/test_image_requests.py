@@ -8,11 +8,12 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+import runner_jobs
 import torch
 from image_jobs import PROMPT, input_image, input_mask
 from PIL import Image
+from test_runner import LATENT_TOLERANCE, max_diff, png_difference, png_matches, stock_latents
 
 from neuron_diffusers import families, tiny
 from neuron_diffusers.checkpoint import resolve
@@ -179,14 +180,45 @@ def test_cfg_parallel_with_a_class_that_does_not_name_its_branches_is_refused(tm
               "--negative-prompt", "blurry", "--true-cfg-scale", "4", "--cfg-parallel", world_size=2)
 
 
-def test_kontext_under_torchrun_matches_stock_and_records_its_input(tmp_path, inputs):
-    """The CLI at TP=2 with Kontext's defaults (the input is resized to ~1 MP for the VAE, as stock does)."""
+def _kontext_argv(inputs, out) -> list[str]:
+    return ["--pipeline", "FluxKontextPipeline", "--image", str(inputs / "in.png"), "--prompt", PROMPT, "--tp", "2",
+            "--steps", "2", "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def stock_kontext():
     from diffusers import FluxKontextPipeline
 
+    return FluxKontextPipeline.from_pretrained(resolve("flux").path)
+
+
+@pytest.fixture(scope="module")
+def kontext_latents(rank_pool, inputs, tmp_path_factory):
+    """The Kontext job's request as `load_pipeline` makes it from the same arguments at TP=2, as latents."""
+    out = tmp_path_factory.mktemp("kontext-latents") / "out"
+    leader, other = rank_pool.run(runner_jobs.job_latents, 2, _kontext_argv(inputs, out), timeout_s=600)
+    assert other == [], "only the TP leader returns the latents"
+    (made,) = leader
+    return made
+
+
+def test_kontext_job_configuration_gives_stock_latents(kontext_latents, stock_kontext, inputs):
+    """The job's request at latent level within float32 rounding of stock's; another input image moves stock's
+    latents by more (the control)."""
+    stock = stock_latents(stock_kontext, kontext_latents)
+    moved = max_diff(stock_latents(stock_kontext, kontext_latents, images=[inputs / "other.png"]), stock)
+    assert moved > LATENT_TOLERANCE, f"blind: another input image moves the latents by only {moved:.1e}"
+    difference = max_diff(kontext_latents["latents"], stock)
+    assert difference < LATENT_TOLERANCE, f"latents differ from stock by {difference:.1e}"
+
+
+def test_kontext_under_torchrun_matches_stock_and_records_its_input(tmp_path, inputs, stock_kontext,
+                                                                   kontext_latents):
+    """The CLI at TP=2 with Kontext's defaults (the input is resized to ~1 MP for the VAE, as stock does): its PNG
+    within one level per value (at most 0.5% differing) of stock's, which another input image falls outside."""
     out = tmp_path / "out"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "neuron_diffusers",
-               "generate", "--pipeline", "FluxKontextPipeline", "--image", str(inputs / "in.png"), "--prompt", PROMPT,
-               "--tp", "2", "--steps", "2", "--out", str(out)]
+               "generate", *_kontext_argv(inputs, out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     png = Image.open(out / "00000-make-the-fox-red.png")
@@ -194,12 +226,16 @@ def test_kontext_under_torchrun_matches_stock_and_records_its_input(tmp_path, in
     digest = hashlib.sha256((inputs / "in.png").read_bytes()).hexdigest()
     assert json.loads(png.text["images"]) == [{"path": str(inputs / "in.png"), "sha256": digest}]
 
-    pipe = FluxKontextPipeline.from_pretrained(resolve("flux").path)
-    with torch.no_grad():
-        stock = pipe(prompt=PROMPT, image=Image.open(inputs / "in.png"), height=32, width=32, max_area=32 * 32,
-                     num_inference_steps=2, generator=torch.Generator().manual_seed(0)).images[0]
-    ours = np.asarray(png.convert("RGB"), dtype=np.float64) / 255
-    assert np.abs(ours - np.asarray(stock, dtype=np.float64) / 255).mean() < 1 / 255
+    def stock(image):
+        with torch.no_grad():
+            return stock_kontext(prompt=PROMPT, image=Image.open(image), **kontext_latents["kwargs"],
+                                 generator=torch.Generator().manual_seed(0)).images[0]
+
+    assert kontext_latents["kwargs"] == {"height": 32, "width": 32, "num_inference_steps": 2, "max_area": 32 * 32}
+    reference, control = stock(inputs / "in.png"), stock(inputs / "other.png")
+    assert not png_matches(control, reference), f"blind: another input image {png_difference(control, reference)}"
+    ours = png.convert("RGB")
+    assert png_matches(ours, reference), f"{png_difference(ours, reference)} (levels, fraction differing)"
 
 
 def test_tiny_qwenimage_edit_builds_from_the_cli_and_its_vision_tower_reads_the_images(tmp_path):

@@ -1,10 +1,14 @@
-"""Pipeline adapters in one process: padding to a length bucket, and the adapter registry's errors."""
+"""Pipeline adapters: padding to a length bucket in one process and on 2 ranks (the session's pool, `rank_pool`, one
+job a layout, a case each), and the adapter registry's errors."""
 
 import json
 
+import pipeline_jobs
 import pytest
 import torch
+from rank_cases import case
 
+from neuron_diffusers import tiny
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.pipelines import bucket_for
 
@@ -65,32 +69,58 @@ def test_qwen_image21_is_exact_padded_only_with_our_positions(qwen_runs):
     assert torch.equal(qwen_runs["qwenimage21 removed"], stock_padded_latents), "remove() restores stock"
 
 
-def test_qwen_image21_buckets_equal_unpadded_on_every_layout(tiny_checkpoint):
-    """Default (bucketed) against `buckets=()` on the same two ranks, true CFG, KV cache on and off, a short prompt
-    and a long one: TP=2, CFG-parallel (cfg=2) and context-parallel (tp1 x ulysses2)."""
-    import rank_jobs
+QI21_PROMPTS = ["a red fox", " ".join(["a red fox in the snow under a pale winter light"] * 12)]
+QI21_CASES = [(use_kv_cache, index) for use_kv_cache in (True, False) for index in range(len(QI21_PROMPTS))]
 
-    from neuron_diffusers import tiny
-    from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
-    prompts = ["a red fox", " ".join(["a red fox in the snow under a pale winter light"] * 12)]
-    reports = run_on_cpu_ranks(rank_jobs.qwenimage21_bucket_checks, 2, tiny_checkpoint("qwenimage21"),
-                               tiny.smallest_call("qwenimage21"), prompts, timeout_s=900)
-    expected = {(layout, cache, index) for layout in rank_jobs.QI21_LAYOUTS for cache in (True, False)
-                for index in range(len(prompts))}
-    for rank, report in enumerate(reports):
-        assert set(report) == expected
-        for case, result in report.items():
+@pytest.fixture(scope="module")
+def bucket_reports(tiny_checkpoint, rank_pool):
+    """`bucket_reports(layout)` → both ranks' per-case reports: default (bucketed) Qwen-Image-2.1 against
+    `buckets=()` on the same two ranks, true CFG, KV cache on and off, a short prompt and a long one (run on first
+    use, on the session's pool of 2 ranks)."""
+    made = {}
+
+    def get(layout):
+        if layout not in made:
+            made[layout] = rank_pool.run(pipeline_jobs.qwenimage21_bucket_checks, 2, layout,
+                                         tiny_checkpoint("qwenimage21"), tiny.smallest_call("qwenimage21"),
+                                         QI21_PROMPTS, timeout_s=900)
+        return made[layout]
+
+    return get
+
+
+@pytest.mark.parametrize("use_kv_cache, index", QI21_CASES)
+@pytest.mark.parametrize("layout", pipeline_jobs.QI21_LAYOUTS)
+def test_qwen_image21_bucketed_transformer_outputs_equal_unpadded(bucket_reports, layout, use_kv_cache, index):
+    """TP=2, CFG-parallel (cfg=2) and context-parallel (tp1 x ulysses2): every forward's target rows, on each rank."""
+    for rank, result in enumerate(case(bucket_reports(layout), (use_kv_cache, index))):
+        assert result["output_diff"] < 1e-5, (rank, result)
+
+
+@pytest.mark.parametrize("layout", pipeline_jobs.QI21_LAYOUTS)
+def test_qwen_image21_bucketed_images_equal_unpadded(bucket_reports, layout):
+    for key in QI21_CASES:
+        result = case(bucket_reports(layout), key)[0]
+        assert result["image_diff"] < 1 / 255, (key, result)
+
+
+@pytest.mark.parametrize("layout", pipeline_jobs.QI21_LAYOUTS)
+def test_qwen_image21_pads_text_into_its_buckets(bucket_reports, layout):
+    for key in QI21_CASES:
+        for result in case(bucket_reports(layout), key):
             bucketed, unpadded = result["text_lengths"]["bucketed"], result["text_lengths"]["unpadded"]
-            assert bucketed and set(bucketed) <= {64, 128, 256, 512, 1024} and max(unpadded) < max(bucketed), case
-            assert result["output_diff"] < 1e-5, (rank, case, result)
-            if rank == 0:
-                assert result["image_diff"] < 1 / 255, (case, result)
-            if case[0] == "tp1 x ulysses2":  # padded: plain Ulysses, static shapes; unpadded: ulysses_anything
-                assert result["modes"] == {"bucketed": (False, False, True), "unpadded": (True, False, True)}
-    long_prompt = {length for report in reports for (_, _, index), result in report.items() if index == 1
-                   for length in result["text_lengths"]["bucketed"]}
+            assert bucketed and set(bucketed) <= {64, 128, 256, 512, 1024} and max(unpadded) < max(bucketed), key
+    long_prompt = {length for key in QI21_CASES if key[1] == 1
+                   for result in case(bucket_reports(layout), key) for length in result["text_lengths"]["bucketed"]}
     assert max(long_prompt) >= 256, "the long prompt pads into a larger bucket"
+
+
+def test_qwen_image21_under_ulysses_is_plain_when_bucketed_and_any_length_unpadded(bucket_reports):
+    """Padded: plain Ulysses, static shapes; unpadded: ulysses_anything."""
+    for key in QI21_CASES:
+        for result in case(bucket_reports("tp1 x ulysses2"), key):
+            assert result["modes"] == {"bucketed": (False, False, True), "unpadded": (True, False, True)}, key
 
 
 def test_pad_rounds_a_prompt_longer_than_every_bucket_up_to_a_static_length(qwen_runs):
@@ -109,8 +139,6 @@ def test_pad_rounds_a_prompt_longer_than_every_bucket_up_to_a_static_length(qwen
 
 
 def test_every_family_has_an_adapter_and_unknown_pipelines_are_named(tiny_checkpoint, tmp_path):
-    from neuron_diffusers import tiny
-
     for family in tiny.FAMILIES:
         assert resolve(tiny_checkpoint(family)).adapter is not None
     index = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}

@@ -1,15 +1,19 @@
 """Our plans (registered on import) for all five families, and Qwen-Image-2.1's lean one: TP=2 and TP=4 equal one
-process."""
+process.
+
+One job a family (and one for the refusals) on the session's pool of 4 ranks (`rank_pool`), each (plan, degree) its own
+case (`rank_cases`): a failure fails only the tests that read it.
+"""
 
 import shutil
 
+import plan_jobs
 import pytest
-import rank_jobs
+from rank_cases import case
 from safetensors.torch import load_file, save_file
 
 from neuron_diffusers import tiny
 from neuron_diffusers.tools.plan.cases import reference_call
-from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 MISSING_KEY = "transformer_blocks.0.attn.to_q.weight"
 
@@ -24,18 +28,25 @@ def _without_key(checkpoint, destination):
 
 
 @pytest.fixture(scope="module")
-def plan_report(tiny_checkpoint, tmp_path_factory):
-    checkpoints = {family: tiny_checkpoint(family) for family in tiny.FAMILIES}
-    calls = {family: reference_call(checkpoints[family], family) for family in tiny.FAMILIES}
-    broken = _without_key(checkpoints["flux"], tmp_path_factory.mktemp("broken") / "flux")
-    return run_on_cpu_ranks(rank_jobs.plan_checks, 4, checkpoints, calls, broken)
+def plan_report(tiny_checkpoint, rank_pool):
+    """`plan_report(family)` → every rank's per-case report of that family's job (run on first use)."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            checkpoint = tiny_checkpoint(family)
+            made[family] = rank_pool.run(plan_jobs.plan_checks, 4, family, checkpoint,
+                                         reference_call(checkpoint, family), timeout_s=900)
+        return made[family]
+
+    return get
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", [*tiny.FAMILIES, ("qwenimage21", "lean")])
 def test_our_plan_matches_single_process(plan_report, family, tp):
-    for rank, report in enumerate(plan_report):
-        result = report[family, tp]
+    name = family if isinstance(family, str) else family[0]
+    for rank, result in enumerate(case(plan_report(name), (family, tp))):
         assert result["ours"], "the class default is not our plan"
         assert result["planned"] > 0
         assert result["diff"] < 1e-5, f"rank {rank}: max abs diff {result['diff']}"
@@ -44,17 +55,34 @@ def test_our_plan_matches_single_process(plan_report, family, tp):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_h3_attention_splits_local_heads(plan_report, tp):
-    for report in plan_report:
-        assert report["h3_heads", tp] == {4 // tp}  # the tiny H3 has 4 heads
+    for heads in case(plan_report("h3"), ("h3_heads", tp)):
+        assert heads == {4 // tp}  # the tiny H3 has 4 heads
 
 
-def test_bad_plans_and_degrees_rejected_before_any_weight_is_read(plan_report):
-    errors = plan_report[0]["errors"]
-    assert errors["typo"].startswith("ValueError")
-    assert "'transformer_blocks.*.attn.to_qq' matches nothing" in errors["typo"]
-    assert errors["not_linear"].startswith("ValueError") and "must match nn.Linear" in errors["not_linear"]
-    assert errors["heads"].startswith("ValueError") and "Valid degrees for this model: [1, 2, 4]" in errors["heads"]
-    assert MISSING_KEY in errors["missing_key"] and "does not contain" in errors["missing_key"]
+@pytest.fixture(scope="module")
+def refusals(tiny_checkpoint, tmp_path_factory, rank_pool):
+    broken = _without_key(tiny_checkpoint("flux"), tmp_path_factory.mktemp("broken") / "flux")
+    return rank_pool.run(plan_jobs.plan_refusals, 4, tiny_checkpoint("flux"), broken, timeout_s=600)
+
+
+def test_a_typo_in_a_plan_is_rejected_before_any_weight_is_read(refusals):
+    typo = case(refusals, "typo")[0]
+    assert typo.startswith("ValueError") and "'transformer_blocks.*.attn.to_qq' matches nothing" in typo, typo
+
+
+def test_a_rule_on_a_module_that_is_not_linear_is_rejected_before_any_weight_is_read(refusals):
+    not_linear = case(refusals, "not_linear")[0]
+    assert not_linear.startswith("ValueError") and "must match nn.Linear" in not_linear, not_linear
+
+
+def test_a_degree_the_heads_do_not_allow_is_rejected_before_any_weight_is_read(refusals):
+    heads = case(refusals, "heads")[0]
+    assert heads.startswith("ValueError") and "Valid degrees for this model: [1, 2, 4]" in heads, heads
+
+
+def test_a_checkpoint_missing_a_planned_weight_is_rejected(refusals):
+    missing = case(refusals, "missing_key")[0]
+    assert MISSING_KEY in missing and "does not contain" in missing, missing
 
 
 def test_non_safetensors_checkpoint_rejected_before_loading(tiny_checkpoint, tmp_path):

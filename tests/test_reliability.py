@@ -1,7 +1,8 @@
 """Never out of step, never silently wrong (docs/reliability.md): bad requests and partial calls on a group, NaN,
 resume keyed by settings, every check before anything starts, a full disk.
 
-One spawn on 2 CPU ranks runs every multi-rank case (`reliability_jobs.all_checks`); the rest runs in this process.
+The multi-rank cases run on the session's pool of 2 CPU ranks (`rank_pool`), one job a topic, each case recorded on
+its own (`rank_cases`), so a failure fails only the test that reads it; the rest runs in this process.
 """
 
 import json
@@ -15,13 +16,13 @@ import pytest
 import reliability_jobs
 import torch
 from PIL import Image
+from rank_cases import case
 from safetensors.torch import load_file, save_file
 
 from neuron_diffusers.cli import main
 from neuron_diffusers.consistency import LatentAgreement, NonFiniteLatentsError
 from neuron_diffusers.media import VideoWithAudio, read_png_text, read_video_text, save_video
 from neuron_diffusers.outputs import LOCK_NAME, JobLock, digest, settings_key
-from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 FLUX_TIME_WEIGHT = "time_text_embed.timestep_embedder.linear_1.weight"
 
@@ -47,18 +48,27 @@ def _lines(path, *lines):
 
 
 @pytest.fixture(scope="module")
-def group(tiny_checkpoint, tmp_path_factory):
+def group(tiny_checkpoint, tmp_path_factory, rank_pool):
+    """(the folder the jobs write into, `reports(name)`: both ranks' per-case reports of one job, run on first use
+    on the pool's 2 ranks, so a job that fails fails only its own tests)."""
     root = tmp_path_factory.mktemp("reliability")
     flux = str(tiny_checkpoint("flux"))
     tp2 = ["--model", flux, "--prompts", _lines(root / "three.txt", "a red fox", "a blue bird", "a green frog"),
            "--out", str(root / "tp2"), "--tp", "2", "--steps", "1"]
     dp2 = ["--model", flux, "--prompts", _lines(root / "four.txt", "one fox", "two foxes", "three foxes", "four"),
            "--out", str(root / "dp2"), "--tp", "1", "--steps", "1"]
-    checkpoints = {"qwenimage": tiny_checkpoint("qwenimage"),
-                   "nan_flux": _nan_checkpoint(tiny_checkpoint, root / "nan-flux")}
-    # Collectives time out after 60 s: a group put out of step by a bad request would fail there, not go on.
-    reports = run_on_cpu_ranks(reliability_jobs.all_checks, 2, checkpoints, tp2, dp2, timeout_s=900,
-                               collective_timeout_s=60)
+    jobs = {"serving": lambda: (reliability_jobs.serving_loop, tiny_checkpoint("qwenimage")),
+            "cfg": lambda: (reliability_jobs.cfg_pair_loop, tiny_checkpoint("qwenimage")),
+            "nan": lambda: (reliability_jobs.nan_checks, _nan_checkpoint(tiny_checkpoint, root / "nan-flux")),
+            "disk_full": lambda: (reliability_jobs.disk_full, tp2, dp2)}
+    made = {}
+
+    def reports(name):
+        if name not in made:
+            fn, *args = jobs[name]()
+            made[name] = rank_pool.run(fn, 2, *args, timeout_s=900)
+        return made[name]
+
     return root, reports
 
 
@@ -84,52 +94,67 @@ SERVING_ERRORS = {
 @pytest.mark.parametrize("kind", SERVING_ERRORS)
 def test_a_serving_loop_survives_each_bad_request_with_the_same_error_on_both_ranks(group, kind):
     _, reports = group
-    _same_on_both_ranks([r["serving"]["bad"][kind] for r in reports], "ValueError", SERVING_ERRORS[kind])
+    _same_on_both_ranks(case(reports("serving"), ("bad", kind)), "ValueError", SERVING_ERRORS[kind])
 
 
-def test_after_the_bad_requests_the_group_returns_the_right_image(group):
-    _, (leader, other) = group
-    first = leader["serving"]["first"]
+@pytest.mark.parametrize("after", ["again", "after_partial", "after_mismatch"])
+def test_after_the_bad_requests_the_group_returns_the_right_image(group, after):
+    _, reports = group
+    first, _ = case(reports("serving"), "first")
     assert first is not None and first.std() > 0.01, "the first image is flat: nothing was generated"
-    for after in ("again", "after_partial", "after_mismatch"):
-        assert np.array_equal(leader["serving"][after], first), f"{after}: not the first request's image"
-        assert other["serving"][after] is None
-    print(f"serving loop, all requests: {leader['serving']['seconds']:.1f} s (collective timeout 60 s)")
+    leader, other = case(reports("serving"), after)
+    assert np.array_equal(leader, first), f"{after}: not the first request's image"
+    assert other is None
+    print(f"serving loop, all requests: {reports('serving')[0]['seconds']:.1f} s")
 
 
 def test_a_rank_that_does_not_enter_generate_is_named_within_the_entry_timeout(group):
-    _, (leader, other) = group
-    partial = leader["serving"]["partial"]
+    _, reports = group
+    partial, _ = case(reports("serving"), "partial")
     assert partial["type"] == "GroupOutOfStepError", partial
     assert "Rank(s) [1] did not enter `generate` within 3 s" in partial["message"]
-    _same_on_both_ranks([r["serving"]["mismatch"] for r in (leader, other)], "GroupOutOfStepError",
+
+
+def test_ranks_that_call_generate_with_different_arguments_all_refuse(group):
+    _, reports = group
+    _same_on_both_ranks(case(reports("serving"), "mismatch"), "GroupOutOfStepError",
                         "called `generate` with different arguments")
 
 
-def test_a_cfg_pair_fails_alike_on_both_groups_and_stays_usable(group):
+@pytest.mark.parametrize("kind", ["leader_only", "leader_only_split"])
+def test_a_cfg_pair_fails_alike_on_both_groups(group, kind):
     _, reports = group
-    for case in ("leader_only", "leader_only_split"):
-        _same_on_both_ranks([r["cfg"][case] for r in reports], "ValueError", "the leader's tokenizer refused")
-    assert reports[0]["cfg"]["good"] is not None and reports[1]["cfg"]["good"] is None
+    _same_on_both_ranks(case(reports("cfg"), kind), "ValueError", "the leader's tokenizer refused")
 
 
-def test_a_nan_checkpoint_fails_with_non_finite_latents_not_a_plan_warning(group):
+def test_a_cfg_pair_stays_usable_after_a_failed_request(group):
     _, reports = group
-    _same_on_both_ranks([r["nan"]["nan_checkpoint"] for r in reports], "NonFiniteLatentsError",
+    leader, other = case(reports("cfg"), "good")
+    assert leader is not None and other is None
+
+
+def test_a_nan_checkpoint_fails_with_non_finite_latents(group):
+    _, reports = group
+    _same_on_both_ranks(case(reports("nan"), "nan_checkpoint"), "NonFiniteLatentsError",
                         "The latents of rank(s) [0, 1] hold NaN or infinite values at step 0")
-    assert not [w for report in reports for w in report["nan"]["warnings"] if "plan" in w], reports[0]["nan"]
+
+
+def test_a_nan_checkpoint_gives_no_plan_warning(group):
+    _, reports = group
+    warnings = case(reports("nan"), "warnings")
+    assert not [w for messages in warnings for w in messages if "plan" in w], warnings[0]
 
 
 def test_one_nan_element_on_one_rank_is_caught(group):
     _, reports = group
-    _same_on_both_ranks([r["nan"]["one_nan"] for r in reports], "NonFiniteLatentsError",
+    _same_on_both_ranks(case(reports("nan"), "one_nan"), "NonFiniteLatentsError",
                         "The latents of rank(s) [1] hold NaN or infinite values at step 3")
 
 
 @pytest.mark.parametrize("job", ["tp2", "dp2"])
 def test_a_full_disk_stops_every_rank_with_the_same_error_and_keeps_finished_images(group, job):
     root, reports = group
-    _same_on_both_ranks([r["disk_full"][job] for r in reports], "OutputWriteError", "No space left on device")
+    _same_on_both_ranks(case(reports("disk_full"), job), "OutputWriteError", "No space left on device")
     out = root / job
     pngs = sorted(p.name for p in out.glob("*.png"))
     if job == "tp2":  # the first image was written, the second failed on its way to the disk
@@ -404,3 +429,21 @@ def test_size_limits_sit_exactly_where_the_stock_code_breaks():
 def test_nan_latents_are_caught_without_a_group():
     with pytest.raises(NonFiniteLatentsError, match=r"rank\(s\) \[0\] hold NaN or infinite values at step 1"):
         LatentAgreement(None).check([torch.tensor([1.0, float("inf")])], "step 1")
+
+
+def test_a_failed_agreement_is_a_lost_group_not_the_calls_error(monkeypatch):
+    """gloo reports a dead peer as a plain RuntimeError: when the exchange `agree` makes fails, that becomes a
+    `GroupLostError`, a `DistError`, which ends the job or the server instead of passing for one request's error."""
+    import torch.distributed as dist
+
+    from neuron_diffusers import consistency
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer")
+
+    monkeypatch.setattr(consistency.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(consistency.dist, "all_gather_object", lost)
+    with pytest.raises(consistency.GroupLostError, match="a peer of this rank's group is gone: .*Connection reset") as \
+            raised:
+        consistency.agree(ValueError("the call's own error"), object())
+    assert isinstance(raised.value, dist.DistError)

@@ -6,6 +6,8 @@ import base64
 import dataclasses
 import io
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import pytest
 import serve_jobs
 from fastapi.testclient import TestClient
 from PIL import Image
+from rank_cases import case
 from torch.distributed import HashStore
 
 from neuron_diffusers import tiny
@@ -38,7 +41,6 @@ from neuron_diffusers.serve.metrics import Metrics
 from neuron_diffusers.serve.request import EditRequest, ImageRequest, ServeConfig, Upload, plan_work
 from neuron_diffusers.serve.scheduler import Scheduler
 from neuron_diffusers.tools.bench.serve import ServerProcess
-from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 
 def _config(model="flux", sizes=None, cfg=1, pipeline=None):
@@ -121,12 +123,19 @@ def _fake_replica(channel: Channel, count: int):
                                      "phases": {"generate": 0.01}})
 
 
+def test_health_says_how_often_torchrun_restarted_the_group(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    scheduler = Scheduler([Channel(0, HashStore())], max_queue=1, metrics=Metrics())
+    client = TestClient(build_app(_config(), scheduler, Metrics(), request_timeout_s=0.5))
+    assert client.get("/health").json() == {"status": "ok", "restarts": 2}
+
+
 def test_http_layer_answers_refuses_and_queues_in_one_process():
     store = HashStore()
     metrics = Metrics()
     scheduler = Scheduler([Channel(0, store)], max_queue=1, metrics=metrics)
     client = TestClient(build_app(_config(), scheduler, metrics, request_timeout_s=0.5))
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "restarts": 0}
     assert client.get("/ready").status_code == 503
     assert client.post(GENERATIONS, json={"prompt": "a fox"}).status_code == 503  # still loading
     scheduler.ready.set()
@@ -231,14 +240,18 @@ def _png(size=(32, 32), colour="red") -> bytes:
     return buffer.getvalue()
 
 
-def test_edits_and_loras_refusals_then_the_jobs_images_on_a_replica(tmp_path):
-    """`POST /v1/images/edits` (multipart, OpenAI's) and per-request LoRAs: refusals in one process, then the replica
-    loop on a spawned rank makes an edit with a LoRA and one without: each the job's image for the same input file
-    and LoRA, with the job's settings."""
+@pytest.fixture(scope="module")
+def edits():
+    """`POST /v1/images/edits` (multipart, OpenAI's) on an img2img server, with the queue it feeds."""
     store, metrics = HashStore(), Metrics()
     img2img = _config(pipeline="FluxImg2ImgPipeline")
     scheduler = Scheduler([Channel(0, store)], max_queue=4, metrics=metrics)
     scheduler.ready.set()
+    return img2img, store, scheduler, metrics
+
+
+def test_bad_edits_are_refused_before_they_queue(edits):
+    img2img, _, scheduler, metrics = edits
     client = TestClient(build_app(img2img, scheduler, metrics, request_timeout_s=30))
     text_only = TestClient(build_app(_config(), scheduler, metrics, request_timeout_s=30))
     inpaint = TestClient(build_app(_config(pipeline="FluxInpaintPipeline"), scheduler, metrics, request_timeout_s=30))
@@ -272,59 +285,87 @@ def test_edits_and_loras_refusals_then_the_jobs_images_on_a_replica(tmp_path):
             files={"image": image, "mask": ("mask.png", _png((16, 16), "white"), "image/png")})
     assert scheduler.queue.qsize() == 0  # nothing reached a replica
 
-    # A good edit: what travels to the replica, and the answer (a fake replica answers here).
-    replica = threading.Thread(target=_fake_replica, args=(Channel(0, store), 1))
+
+def test_a_good_edit_travels_to_the_replica_with_its_strength_and_image(edits):
+    img2img, store, scheduler, metrics = edits
+    client = TestClient(build_app(img2img, scheduler, metrics, request_timeout_s=30))
+    replica = threading.Thread(target=_fake_replica, args=(Channel(0, store), 1))  # a fake replica answers here
     replica.start()
     scheduler.start()
     # 0.8, not FluxImg2ImgPipeline's default 0.6: a strength lost on the way would show in the image below.
     answer = client.post(EDITS, data={"prompt": "a red fox", "seed": "3", "strength": "0.8", "n": "1"},
-                         files={"image": image})
+                         files={"image": ("fox.png", _png(), "image/png")})
     replica.join(10)
     scheduler.stop()
     assert answer.status_code == 200, answer.text
-    pixels, text = _b64_pixels(answer.json()["data"][0])
+    _, text = _b64_pixels(answer.json()["data"][0])
     assert text["strength"] == "0.8" and text["pipeline"] == "FluxImg2ImgPipeline" and "sha256" in text["images"]
 
-    # The job's Request for the same input file, and its settings: the server's are the same.
-    (tmp_path / "fox.png").write_bytes(_png())
+
+@pytest.fixture(scope="module")
+def edit_works(edits, tmp_path_factory):
+    """The job's Request for an input file, and the server's work for the same upload: without a LoRA, and with the
+    server's LoRA "ink" (--lora ink=PATH:0.5) picked by name at its own scale (1.5)."""
+    img2img = edits[0]
+    folder = tmp_path_factory.mktemp("edits")
+    (folder / "fox.png").write_bytes(_png())
     job_request = build_requests([{"prompt": "a red fox", "_where": "line 1"}], seed=3, height=32, width=32, steps=2,
                                  guidance=None, negative_prompt=None, limits=img2img.limits,
-                                 adapter=img2img.checkpoint.adapter, images=[tmp_path / "fox.png"], strength=0.8)[0]
-    work = plan_work(EditRequest(prompt="a red fox", seed=3, strength=0.8), img2img,
-                     (Upload("fox.png", _png()),))
+                                 adapter=img2img.checkpoint.adapter, images=[folder / "fox.png"], strength=0.8)[0]
+    work = plan_work(EditRequest(prompt="a red fox", seed=3, strength=0.8), img2img, (Upload("fox.png", _png()),))
+    transformer = resolve("flux").transformer_class().from_pretrained(str(tiny.cached_tiny("flux")),
+                                                                      subfolder="transformer")
+    lora_path = lora_files.save_peft(folder / "ink.safetensors",
+                                     lora_files.factors(lora_files.linears(transformer), 4, seed=1), alpha=4)
+    with_lora = dataclasses.replace(img2img, loras={"ink": LoraSpec(lora_path, 0.5).record()})
+    inked = plan_work(EditRequest(prompt="a red fox", seed=3, strength=0.8, loras=[{"name": "ink", "scale": 1.5}]),
+                      with_lora, (Upload("fox.png", _png()),))
+    return {"job_request": job_request, "plain": work, "lora": inked, "lora_path": lora_path, "with_lora": with_lora}
+
+
+def test_an_edit_has_the_jobs_settings_digest(edit_works):
+    job_request = edit_works["job_request"]
     key = settings_key(job_request, model=model_identity("flux"), dtype="float32", pipeline="FluxImg2ImgPipeline")
-    assert work.texts[0]["settings_digest"] == settings_text(
+    assert edit_works["plain"].texts[0]["settings_digest"] == settings_text(
         job_request, model="flux", pipeline="FluxImg2ImgPipeline", tp=2, dp=1, cfg=1, dtype="float32", loras=[],
         key=key)["settings_digest"]
 
-    # Per-request LoRAs: the server offers "ink" (--lora ink=PATH:0.5); a request picks it by name, at its own scale.
-    transformer = resolve("flux").transformer_class().from_pretrained(str(tiny.cached_tiny("flux")),
-                                                                      subfolder="transformer")
-    lora_path = lora_files.save_peft(tmp_path / "ink.safetensors",
-                                     lora_files.factors(lora_files.linears(transformer), 4, seed=1), alpha=4)
-    ink = LoraSpec(lora_path, 0.5)
-    with_lora = dataclasses.replace(img2img, loras={"ink": ink.record()})
+
+def test_a_request_picks_a_served_lora_by_name_with_the_jobs_settings(edit_works):
     with pytest.raises(ValueError, match="unknown LoRA 'oil': this server offers ink"):
-        plan_work(EditRequest(prompt="a fox", loras=[{"name": "oil"}]), with_lora, (Upload("fox.png", _png()),))
-    inked = plan_work(EditRequest(prompt="a red fox", seed=3, strength=0.8, loras=[{"name": "ink", "scale": 1.5}]),
-                      with_lora, (Upload("fox.png", _png()),))
-    record = LoraSpec(lora_path, 1.5).record()
+        plan_work(EditRequest(prompt="a fox", loras=[{"name": "oil"}]), edit_works["with_lora"],
+                  (Upload("fox.png", _png()),))
+    job_request, record = edit_works["job_request"], LoraSpec(edit_works["lora_path"], 1.5).record()
     key = settings_key(job_request, model=model_identity("flux"), dtype="float32", pipeline="FluxImg2ImgPipeline",
                        loras=[{"sha256": record["sha256"], "scale": 1.5}])
     job_text = settings_text(job_request, model="flux", pipeline="FluxImg2ImgPipeline", tp=2, dp=1, cfg=1,
                              dtype="float32", loras=[record], key=key)
     # Everything alike but the input's path (the upload's name; the key holds its sha256 only).
-    assert {**inked.texts[0], "images": None} == {**job_text, "images": None}
+    assert {**edit_works["lora"].texts[0], "images": None} == {**job_text, "images": None}
 
-    made = run_on_cpu_ranks(serve_jobs.replica_and_job, 1, "flux", "FluxImg2ImgPipeline",
-                            [(inked.task(), [(lora_path, 1.5)]), (work.task(), [])], job_request, timeout_s=300)[0]
-    pixels = []
-    for (served, job_pixels), expected in zip(made, (inked, work), strict=True):
-        served_image = Image.open(io.BytesIO(served))
-        pixels.append(np.asarray(served_image.convert("RGB")))
-        assert np.array_equal(pixels[-1], job_pixels), "not the job's image"
-        assert served_image.text["settings_digest"] == expected.texts[0]["settings_digest"]
-    assert not np.array_equal(*pixels), "the LoRA changed nothing: the comparison above would prove nothing"
+
+@pytest.fixture(scope="module")
+def replica_made(edit_works, rank_pool):
+    """The replica loop on a pool rank makes each edit (with the LoRA, without), and the job's call its image."""
+    cases = {"lora": (edit_works["lora"].task(), [(edit_works["lora_path"], 1.5)]),
+             "plain": (edit_works["plain"].task(), [])}
+    return rank_pool.run(serve_jobs.replica_and_job, 1, "flux", "FluxImg2ImgPipeline", cases,
+                         edit_works["job_request"], timeout_s=300)
+
+
+@pytest.mark.parametrize("name", ["lora", "plain"])
+def test_the_replica_makes_the_jobs_image_for_an_edit(replica_made, edit_works, name):
+    served, job_pixels = case(replica_made, name)[0]
+    served_image = Image.open(io.BytesIO(served))
+    assert np.array_equal(np.asarray(served_image.convert("RGB")), job_pixels), "not the job's image"
+    assert served_image.text["settings_digest"] == edit_works[name].texts[0]["settings_digest"]
+
+
+def test_a_requests_lora_changes_the_replicas_image(replica_made):
+    """The control of the test above: with and without the LoRA differ, so equal images there prove something."""
+    images = [np.asarray(Image.open(io.BytesIO(case(replica_made, name)[0][0])).convert("RGB"))
+              for name in ("lora", "plain")]
+    assert not np.array_equal(*images), "the LoRA changed nothing: the comparison above would prove nothing"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -431,10 +472,9 @@ def _wait_busy(base_url, timeout_s=60.0):
 
 
 
-def test_server_with_ulysses_and_a_rank_killed_while_idle(job_image):
-    """Two ranks started without torchrun (one process per rank, as one pod per rank would be: no agent that stops
-    the others), serving with Ulysses: the job's TP=2 image, then rank 1 is SIGKILLed while the server idles. Rank 0
-    must notice it from the heartbeats alone, answer /health 503 (or be gone) and exit 1."""
+def _ranks_without_torchrun(serve_args: list[str]) -> tuple[list, list, list]:
+    """Two `serve` ranks started one process each (as one pod per rank would be: no agent that stops the others):
+    (the processes, rank 0's output lines as they come, when rank 0 logged that rank 1 is gone)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         master_port = probe.getsockname()[1]
@@ -442,9 +482,8 @@ def test_server_with_ulysses_and_a_rank_killed_while_idle(job_image):
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
-        ranks.append(subprocess.Popen([sys.executable, "-m", "neuron_diffusers", "serve", "--port", "0", "--tp", "1",
-                                       "--ulysses", "2", "--steps", "2", "--peer-timeout", "2"], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        ranks.append(subprocess.Popen([sys.executable, "-m", "neuron_diffusers", "serve", "--port", "0", *serve_args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     lines, failure_seen = [], []
 
     def read():
@@ -454,6 +493,15 @@ def test_server_with_ulysses_and_a_rank_killed_while_idle(job_image):
                 failure_seen.append(time.monotonic())
 
     threading.Thread(target=read, daemon=True).start()
+    return ranks, lines, failure_seen
+
+
+def test_server_with_ulysses_and_a_rank_killed_while_idle(job_image):
+    """Two ranks started without torchrun, serving with Ulysses: the job's TP=2 image, then rank 1 is SIGKILLed
+    while the server idles. Rank 0 must notice it from the heartbeats alone, answer /health 503 (or be gone) and
+    exit 1."""
+    ranks, lines, failure_seen = _ranks_without_torchrun(["--tp", "1", "--ulysses", "2", "--steps", "2",
+                                                          "--peer-timeout", "2"])
     try:
         url = _wait_ready(lines, ranks[0])
         with httpx.Client(timeout=120) as client:
@@ -493,6 +541,73 @@ def test_server_with_ulysses_and_a_rank_killed_while_idle(job_image):
         for process in ranks:
             if process.poll() is None:
                 process.kill()
+
+
+def _post(url: str, body: dict):
+    """POST `body`: the response, or the transport error that came instead (a connection closed mid-request)."""
+    try:
+        return httpx.post(url, json=body, timeout=300)
+    except httpx.HTTPError as error:
+        return error
+
+
+def test_a_rank_killed_while_a_request_is_in_flight_ends_every_rank_non_zero():
+    """Two ranks started without torchrun, TP=2: rank 1 is SIGKILLed while the replica makes a long request, inside
+    the denoising loop's collectives with rank 0. Every rank must exit non-zero within the documented bound,
+    --peer-timeout + `EXIT_GRACE_S` (docs/serving.md), and the request in flight must be answered 503 with the reason
+    (not a reset connection, and not a 500 as if the request itself had failed)."""
+    peer_timeout = 30.0  # the default; a loaded machine stalls a loading rank's heartbeat thread for over 10 s
+    ranks, lines, _ = _ranks_without_torchrun(["--tp", "2", "--steps", "2", "--max-steps", "100000",
+                                               "--peer-timeout", str(peer_timeout)])
+    try:
+        url = _wait_ready(lines, ranks[0])
+        answers = []
+        sender = threading.Thread(target=lambda: answers.append(
+            _post(url + GENERATIONS, {"prompt": "a red fox", "num_inference_steps": 20000})))
+        sender.start()
+        _wait_steps(lines, 2, "20000", ranks[0])  # rank 0's progress bar: both ranks are in the denoising loop
+        assert not answers, f"the request was answered before the kill, so it was not in flight: {answers}"
+        ranks[1].kill()
+        killed = time.monotonic()
+        bound = peer_timeout + liveness.EXIT_GRACE_S
+        exits = _exit_times(ranks, killed, limit_s=bound + 60)
+        sender.join(30)
+        print(f"exit codes and seconds after the kill: {exits}")
+        log = "".join(lines[-30:])
+        assert [code for code, _ in exits] == [1, -signal.SIGKILL], (exits, log)
+        assert all(seconds < bound for _, seconds in exits), (exits, bound, log)
+        assert len(answers) == 1 and isinstance(answers[0], httpx.Response), (answers, log)
+        assert answers[0].status_code == 503, (answers[0].text, log)
+        error = answers[0].json()["error"]
+        assert error["type"] == "server_error" and "the server is failing" in error["message"], error
+        print(f"the request in flight: {answers[0].status_code} {error['message'][:200]}")
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+
+
+def _wait_steps(lines, steps: int, total: str, rank0, timeout_s=300.0) -> None:
+    """Until rank 0's progress bar (a line each update: the pipe is read with universal newlines) shows `steps` of
+    `total` denoising steps done."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and rank0.poll() is None:
+        done = [int(found) for line in lines[-20:] for found in re.findall(rf"(\d+)/{total}\b", line)]
+        if done and max(done) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the request did not reach step {steps}:\n" + "".join(lines[-30:]))
+
+
+def _exit_times(processes, since: float, limit_s: float) -> list[tuple[int | None, float]]:
+    """Each process's (exit code, seconds after `since` it was seen gone), polling every 50 ms for `limit_s`."""
+    seen: dict[int, tuple[int, float]] = {}
+    while len(seen) < len(processes) and time.monotonic() - since < limit_s:
+        for index, process in enumerate(processes):
+            if index not in seen and process.poll() is not None:
+                seen[index] = (process.returncode, time.monotonic() - since)
+        time.sleep(0.05)
+    return [seen.get(index, (None, limit_s)) for index in range(len(processes))]
 
 
 def _wait_ready(lines, rank0, timeout_s=300.0) -> str:

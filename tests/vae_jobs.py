@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry
 from rank_cases import one_thread
-from rank_jobs import _as_arrays, _loaded_models
+from runner_jobs import _as_arrays, _loaded_models
 
 from neuron_diffusers.parallel.vae import HOOK_NAME, enable_parallel_vae
 from neuron_diffusers.parallel.vae_rows import split_rows
@@ -41,14 +41,26 @@ def _naive_bands(vae, latent) -> torch.Tensor:
     return torch.cat([vae.decode(latent[..., a:b, :]).sample for a, b in bounds], dim=-2)
 
 
+def _controls(vae, case: dict, stock_decoded, stock_moments) -> dict:
+    """Stock's decode of another latent and encode of another image (drawn from their own generator, so the cases'
+    inputs stay as they were), against the case's: how far a wrong input moves what the case compares."""
+    generator = torch.Generator().manual_seed(1)
+    latent = torch.randn(case["latent"], generator=generator)
+    image = torch.rand(case["image"], generator=generator) * 2 - 1
+    return {"decode": _diff(vae.decode(latent).sample, stock_decoded),
+            "encode": _diff(vae.encode(image).latent_dist.parameters, stock_moments)}
+
+
 def _vae_case(vae, case: dict, generator) -> dict:
-    """Stock decode and encode, then the same with parallel VAE: the leader's image, every rank's posterior."""
+    """Stock decode and encode, then the same with parallel VAE: the leader's image, every rank's posterior, and
+    the controls (another latent, another image)."""
     if case.get("tiling"):
         vae.enable_tiling(**case["tiling"])
     latent = torch.randn(case["latent"], generator=generator)
     image = torch.rand(case["image"], generator=generator) * 2 - 1
     stock_decoded = vae.decode(latent).sample
     stock_moments = vae.encode(image).latent_dist.parameters
+    controls = _controls(vae, case, stock_decoded, stock_moments)
     with enable_parallel_vae(vae) as handle:
         decoded = vae.decode(latent).sample
         moments = vae.encode(image).latent_dist.parameters
@@ -62,6 +74,7 @@ def _vae_case(vae, case: dict, generator) -> dict:
         "removed_is_stock": torch.equal(vae.decode(latent).sample, stock_decoded),
         "hooks_left": _hooks_left(vae),
         "calls_run": calls_run,
+        "control": controls,
     }
     if case.get("naive"):
         report["naive_bands"] = _diff(_naive_bands(vae, latent), stock_decoded)

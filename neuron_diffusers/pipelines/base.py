@@ -158,6 +158,11 @@ class PipelineAdapter:
     #: buckets the text is not padded at all (diffusers' `ulysses_anything`).
     cp_block_causal: bool = False
 
+    #: Whether the stock call gets the prompt strings and encodes them itself (the generic adapter), with the group
+    #: leader's encoder answering its `encode_prompt` where `leader_encodes`, else every rank encoding.
+    prompt_in_call: bool = False
+    leader_encodes: bool = True
+
     #: What the family verified of the class it drives (`for_pipeline`); None: the adapter's own, no image inputs.
     record: PipelineClass | None = None
     #: Every class the family verified on its transformer (`for_pipeline`): what error messages suggest.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import time
 
 from fastapi import FastAPI, Request
@@ -128,7 +129,8 @@ def _add_probes(app: FastAPI, config: ServeConfig, scheduler: Scheduler, metrics
     async def health():
         if scheduler.failure:
             return error(503, f"unhealthy: {scheduler.failure}", "unhealthy", error_type="server_error")
-        return {"status": "ok"}
+        # torchrun --max-restarts: how many times the agent restarted this group (0: the first start).
+        return {"status": "ok", "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
 
     @app.get("/ready")
     async def ready():

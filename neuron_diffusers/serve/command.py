@@ -43,7 +43,7 @@ from ..launch import LaunchSpec, add_launch_arguments, default_size, plan_launch
 from ..parallel.lora import LoraSpec, parse_lora_option
 from ..runner import load_pipeline
 from .channel import Channel
-from .liveness import Liveness
+from .liveness import EXIT_GRACE_S, Liveness
 from .replica import serve_replica
 
 #: The `serve` extra's modules (pyproject.toml).
@@ -207,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
     listener = _listen(args.host, args.port) if runtime.rank == 0 else None
     signals = _Signals(args.shutdown_timeout)
     mesh = init_distributed(tp=config.tp, ulysses=config.ulysses, ring=config.ring, cfg=config.cfg,
-                            order=launch.mesh_order, timeout_s=args.timeout)
+                            order=launch.mesh_order, cross_node=launch.cross_node, timeout_s=args.timeout)
     front = _Front(config, args, listener, signals) if runtime.rank == 0 else None
     liveness = Liveness(default_store(), runtime.rank, runtime.world_size, args.peer_timeout,
                         on_failure=front.scheduler.fail if front is not None else lambda failure: None).start()
@@ -226,7 +226,7 @@ def main(args: argparse.Namespace) -> int:
     except (dist.DistError, TimeoutError, RuntimeError) as error:
         failure = liveness.failure or str(error)
         if front is not None:
-            front.scheduler.fail(failure)
+            front.fail(failure)
         print(f"neuron-diffusers serve: error on rank {runtime.rank}: {failure}", file=sys.stderr, flush=True)
         return 1
     if front is not None:
@@ -289,3 +289,11 @@ class _Front:
 
     def join(self) -> None:
         self._stopper.join()
+
+    def fail(self, failure: str) -> None:
+        """A rank is gone: every queued and in-flight request is answered 503, and the HTTP server gets up to
+        `EXIT_GRACE_S` to send those answers and close before this process exits (else its clients would see the
+        connection reset instead of the reason)."""
+        self.scheduler.fail(failure)
+        self.http.should_exit = True
+        self._http_thread.join(EXIT_GRACE_S)

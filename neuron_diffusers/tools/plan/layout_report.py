@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...distributed import mesh_layout
 from ...families import PIPELINE_FAMILIES
 from ...parallel.layouts import DIMS, Layout, valid_layouts
 from ...parallel.plan_variants import variant_plan
+from ...topology import Nodes, crossing_groups, split_dims
 from .costs import KINDS, model_shapes, step_costs
 from .profiles import profile, step_seconds
 from .sharding import BF16_BYTES, GIB, held_params, planned_model, sharded_names, valid_tp_degrees
@@ -28,17 +30,27 @@ NOTES = {
     "ring+mask": "ring over masked attention: diffusers applies the local mask to every rotated key block, so "
                  "use Ulysses, or ring without padding (ring_anything)",
     "no-fit": "the weights alone exceed the profile's memory per rank",
+    "split-node": "a TP or Ulysses group would span nodes: refused unless --cross-node (their collectives run in "
+                  "every block)",
     "no-cp-plan": "diffusers 0.42.1 ships no _cp_plan for this class: every sequence Linear is assumed split",
 }
 
 
+#: The traffic kinds each mesh dimension's groups carry (dp carries none per step).
+DIM_KINDS = {"dp": (), "cfg": ("cfg",), "ring": ("ring",), "ulysses": ("all_to_all",),
+             "tp": ("all_reduce", "all_gather")}
+
+
 def layouts_report(model: str, cores: int, size: tuple[int, int] = DEFAULT_SIZE, *, plan: str = "default",
-                   true_cfg: bool = False, hardware: str | None = None) -> dict:
+                   true_cfg: bool = False, hardware: str | None = None, nodes: int = 1) -> dict:
     """Every valid layout of `cores` ranks for `model` at `size` (width, height), with its per-rank costs.
 
     `true_cfg` traces a call with true classifier-free guidance (two forwards per step), which adds the cfg=2
-    layouts; `hardware` names a profile for the step-time estimate.
+    layouts; `hardware` names a profile for the step-time estimate; `nodes` splits the cores over that many nodes
+    and says, per layout, which dimensions' collectives cross them (with the mesh order `--mesh-order auto` picks).
     """
+    if nodes < 1 or cores % nodes:
+        raise ValueError(f"--nodes {nodes} does not divide --cores {cores}: every node runs the same number of ranks.")
     chosen = profile(hardware) if hardware else None
     planned = planned_model(model)
     meta, family = planned.module, planned.family
@@ -54,6 +66,8 @@ def layouts_report(model: str, cores: int, size: tuple[int, int] = DEFAULT_SIZE,
     shapes = model_shapes(meta, rules)
     sharded = {tp: sharded_names(meta, rules, tp) for tp in sorted({layout.tp for layout in layouts})}
     rows = [_row(layout, shapes, sharded[layout.tp], traced, meta, chosen) for layout in layouts]
+    for row, layout in zip(rows, layouts, strict=True):
+        row.update(_node_columns(layout, row, Nodes(nodes, cores // nodes)))
     rows.sort(key=lambda row: (row["dp"], row["seconds"]["total"] if chosen else row["tflop"],
                                sum(row["sent_gb"].values())))
     first = traced.step[0]
@@ -64,6 +78,7 @@ def layouts_report(model: str, cores: int, size: tuple[int, int] = DEFAULT_SIZE,
         "config": planned.config,
         "plan": plan,
         "cores": cores,
+        "nodes": nodes,
         "size": [width, height],
         "true_cfg": true_cfg,
         "forwards_per_step": traced.forwards_per_step,
@@ -104,6 +119,18 @@ def _row(layout: Layout, shapes, sharded: set[str], traced, meta, chosen) -> dic
     return row
 
 
+def _node_columns(layout: Layout, row: dict, nodes: Nodes) -> dict:
+    """The mesh order `--mesh-order auto` takes for `layout` on `nodes`, the dimensions whose groups cross nodes,
+    and the GB each rank sends over them per step."""
+    names, sizes = mesh_layout(layout.ranks, tp=layout.tp, ulysses=layout.ulysses, ring=layout.ring, cfg=layout.cfg,
+                               nodes=nodes)
+    crossing = [name for name, count in crossing_groups(sizes, names, nodes).items() if count]
+    if split_dims(sizes, names, nodes):
+        row["notes"].append("split-node")
+    return {"mesh_order": list(names), "crosses_nodes": crossing,
+            "inter_node_gb": sum(row["sent_gb"][kind] for name in crossing for kind in DIM_KINDS[name])}
+
+
 def format_layouts(report: dict) -> str:
     """A table of `layouts_report`'s result, one line per layout, one-image layouts (dp=1) first."""
     width, height = report["size"]
@@ -124,12 +151,15 @@ def format_layouts(report: dict) -> str:
     header = "".join(f"{DIM_HEADERS[d]:>5}" for d in DIMS) + f"{'GiB':>7}{'TFLOP':>8}"
     header += "".join(f"{KIND_HEADERS[kind]:>11}" for kind in KINDS) + f"{'colls':>7}"
     header += f"{'est s':>8}" if report["profile"] else ""
+    header += f"{'x-node':>14}{'GB x-node':>10}" if report["nodes"] > 1 else ""
     lines += ["", "  " + header + "  notes"]
     for row in report["layouts"]:
         line = "".join(f"{row[d]:>5}" for d in DIMS) + f"{row['weights_gib_bf16']:>7.2f}{row['tflop']:>8.1f}"
         line += "".join(f"{row['sent_gb'][kind]:>11.3f}" for kind in KINDS)
         line += f"{sum(row['collectives'].values()):>7}"
         line += f"{row['seconds']['total']:>8.3f}" if report["profile"] else ""
+        if report["nodes"] > 1:
+            line += f"{'+'.join(row['crosses_nodes']) or '-':>14}{row['inter_node_gb']:>10.3f}"
         lines.append(f"  {line}  {', '.join(row['notes'])}".rstrip())
     used = sorted({note for row in report["layouts"] for note in row["notes"]})
     lines += ["", *(f"  {note}: {report['notes'][note]}" for note in used)]

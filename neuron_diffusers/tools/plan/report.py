@@ -197,18 +197,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=sorted(PROFILES),
                         help="with --cores: estimate the step time on this hardware (figures and sources: "
                              "docs/layouts.md)")
+    parser.add_argument("--nodes", type=positive_int, default=1,
+                        help="with --cores: the cores are this many nodes; shows which collectives cross them")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def main(args: argparse.Namespace) -> None:
     if args.cores is None:
         extra = [flag for flag, value in (("--size", args.size), ("--true-cfg", args.true_cfg),
-                                          ("--profile", args.profile)) if value]
+                                          ("--profile", args.profile), ("--nodes", args.nodes != 1)) if value]
         if extra:
             raise ValueError(f"{', '.join(extra)} only apply to layouts: pass --cores N instead of --tp.")
         report = plan_report(args.model, args.tp, args.plan)
         print(json.dumps(report) if args.json else format_report(report))
         return
     report = layouts_report(args.model, args.cores, args.size or DEFAULT_SIZE, plan=args.plan,
-                            true_cfg=args.true_cfg, hardware=args.profile)
+                            true_cfg=args.true_cfg, hardware=args.profile, nodes=args.nodes)
     print(json.dumps(report) if args.json else format_layouts(report))

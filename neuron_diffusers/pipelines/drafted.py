@@ -1,0 +1,35 @@
+"""The family of a stock pipeline no family runs: its transformer's plan drafted from the module tree (meta device).
+
+`checkpoint` cannot import the drafter (the plan tools it uses read checkpoints themselves), so the runner hands
+`drafted_family` to it at import (`checkpoint.set_drafter`), as `families` hands block metadata to the step cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from ..families import PipelineClass
+from .generic import DraftedFamily
+
+
+def drafted_family(pipeline_class: type, transformer_folder) -> DraftedFamily:
+    """The drafted family of `pipeline_class` on the transformer saved in `transformer_folder` (its config only,
+    on the meta device); a `ValueError` says why a class cannot run on a drafted plan."""
+    from ..drafting import draft_plan  # the drafter pulls in the plan tools: imported when a folder needs it
+    from ..tools.plan.meta import meta_transformer
+
+    name = pipeline_class.__name__
+    if "callback_on_step_end" not in inspect.signature(pipeline_class.__call__).parameters:
+        raise ValueError(f"{name} takes no `callback_on_step_end`, which the check that every rank holds the same "
+                         "latents runs in: it cannot run on several ranks here.")
+    meta = meta_transformer(str(transformer_folder)).module
+    draft = draft_plan(meta)
+    if not draft.plan or draft.check_errors:
+        why = draft.check_errors[:2] or [f"{n.module}: {n.reason}" for n in draft.undecided[:2]] or [
+            "no Linear has a role the drafter knows"]
+        raise ValueError(
+            f"{name} runs a {type(meta).__name__}, for which no tensor-parallel plan can be drafted: "
+            f"{'; '.join(why)}. Write one by hand (docs/authoring.md) and register a family, or run it in one "
+            "process with stock diffusers.")
+    return DraftedFamily("generic", f"{name} (drafted plan)", "GenericAdapter", pipelines=(PipelineClass(name),),
+                         transformer=type(meta).__name__, drafted=draft.plan, degrees=tuple(draft.degrees))
