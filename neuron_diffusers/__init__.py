@@ -10,7 +10,6 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import compat, families  # noqa: F401  -- compat first: refuses an unpinned diffusers before any private
 from .compat import install as _install
-from .compat import plans as _plans
 from .compat.plans import stock_plan, using_plan  # noqa: E402
 from .compile import compile_repeated_blocks, compile_report, warmup  # noqa: E402
 from .distributed import init_distributed, is_group_leader, is_main_process, is_replica_leader, is_tp_leader, rank  # noqa: E402
@@ -21,16 +20,16 @@ try:
 except PackageNotFoundError:  # running from a source tree that was not pip-installed
     __version__ = "0.0.0+unknown"
 
-def _register_families() -> None:
-    """Push every family's plans into `compat` (which names no family): our TP plan as the class default, stock's
-    kept for `stock_plan`; our CP plan where diffusers ships none."""
+
+def _install_families() -> None:
+    """Push every family's plans into `compat` and `parallel` (which name no family): `families.install`, the one
+    function `families.register` also calls for a family from outside."""
     for family in families.FAMILIES:
-        _plans.register(family.model_class(), family.plan, cp_plan=family.cp_plan,
-                        cp_quirks=family.cp_quirks)
+        families.install(family)
 
 
 _install.install()
-_register_families()
+_install_families()
 
 __all__ = ["compile_report", "compile_repeated_blocks", "init_distributed", "is_group_leader", "is_main_process",
            "is_replica_leader", "is_tp_leader", "load_pipeline", "rank", "stock_plan", "using_plan", "warmup",

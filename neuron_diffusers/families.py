@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import diffusers
 
-from .parallel import blocks
+from .compat import plans as compat_plans
+from .parallel import blocks, coalesce
 
 if TYPE_CHECKING:  # annotations only: the record names its adapter by class name, imported on first use
     from .pipelines import PipelineAdapter
@@ -99,6 +100,13 @@ class Family:
         return None if name is None else importlib.import_module(f"{self.package}.{name}")
 
     @property
+    def coalesced_forwards(self) -> dict[type, coalesce.CoalescedForward]:
+        """Block class -> the family's coalesced forward for `PartialRowwiseParallel(reduced_at="block")` (`FORWARDS`
+        of the module `BLOCK_FORWARDS` in the plan file names, inside the family's package); {} for most."""
+        name = getattr(self.plan_module, "BLOCK_FORWARDS", None)
+        return {} if name is None else importlib.import_module(f"{self.package}.{name}").FORWARDS
+
+    @property
     def model_class_name(self) -> str:
         return self.plan_module.MODEL_CLASS
 
@@ -167,27 +175,40 @@ TINY_CHECKPOINTS: tuple[str, ...] = _tiny_checkpoints()
 _BY_NAME = {family.name: family for family in FAMILIES}
 
 
+def install(family: Family) -> None:
+    """Push `family`'s plans into the mechanisms, which name no family: its TP plan as the class default (stock's
+    kept for `stock_plan`), its CP plan where diffusers ships none and its CP quirks (`compat.plans`), its coalesced
+    block forwards (`parallel.coalesce`) and its step-cache block metadata (`parallel.blocks`). Everything is read
+    before anything is pushed, so a family whose files do not import leaves the mechanisms as they were. Called for
+    each of ours by `neuron_diffusers/__init__.py`, and by `register` for one from outside."""
+    model_class, plan, cp_plan, cp_quirks = family.model_class(), family.plan, family.cp_plan, family.cp_quirks
+    forwards, metadata = family.coalesced_forwards, family.cache_block_metadata
+    compat_plans.register(model_class, plan, cp_plan=cp_plan, cp_quirks=cp_quirks)
+    for block_class, forward in forwards.items():
+        coalesce.register_forward(block_class, forward)
+    blocks.add_cache_metadata(metadata)
+
+
 def register(family: Family) -> Family:
     """Add `family` to the registry (a package of one's own, `Family(..., package="my_pkg")`; ours are listed in
-    `FAMILIES` above). Every lookup below, the CLI's family names and the tiny builds then know it; returns it."""
+    `FAMILIES` above) and push its plans (`install`): every lookup below, the CLI's family names, the tiny builds,
+    loading and sharding then know it; returns it. Ranks that `tools.spawn` starts register it again."""
     global FAMILIES, PIPELINE_FAMILIES, TINY_CHECKPOINTS
     if family.name in _BY_NAME:
         if _BY_NAME[family.name] == family:
             return family
         raise ValueError(f"A family called '{family.name}' is registered already ({_BY_NAME[family.name]}). "
                          "Give the new one another name.")
+    install(family)
     FAMILIES = (*FAMILIES, family)
     _BY_NAME[family.name] = family
     PIPELINE_FAMILIES, TINY_CHECKPOINTS = _pipeline_families(), _tiny_checkpoints()
     return family
 
 
-def _cache_block_metadata() -> dict[str, tuple]:
-    """Every family's `CACHE_BLOCK_METADATA`, for the step cache (which never names a family)."""
-    return {name: metadata for family in FAMILIES for name, metadata in family.cache_block_metadata.items()}
-
-
-blocks.add_cache_metadata_source(_cache_block_metadata)
+def outside_families() -> tuple[Family, ...]:
+    """The families registered from other packages (`register`), which a spawned rank must register again."""
+    return tuple(family for family in FAMILIES if family.package != __package__)
 
 
 def get(name: str) -> Family:

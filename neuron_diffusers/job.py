@@ -646,7 +646,8 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
                              cp_any_length=plan.cp_any_length, parallel_vae=plan.parallel_vae, plan=plan.tp_plan)
     compile_start = time.perf_counter()
     if compile_backend:
-        compile_repeated_blocks(pipe, backend=compile_backend)
+        if plan.launch is None:  # a launch spec compiles as `load_pipeline`'s last step
+            compile_repeated_blocks(pipe, backend=compile_backend)
         if warm:
             sizes = sorted({(r.height, r.width) for r, _ in work})
             # A class that needs image inputs warms up with the first request's.

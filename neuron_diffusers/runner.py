@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .checkpoint import Checkpoint, set_drafter
 from .compat.plans import record_tp_plan, using_plan
+from .compile import compile_repeated_blocks
 from .consistency import ENTRY_TIMEOUT_S, CallEntry, LatentAgreement, agree, raise_agreed, shareable
 from .distributed import (
     broadcast_from_leader,
@@ -442,7 +443,8 @@ def load_pipeline(
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
     `model` is a checkpoint folder, a Hub id, a tiny family name, an already resolved `Checkpoint`, or a `LaunchSpec`
-    (`launch.plan_launch`: checked once, so nothing is checked here again; leave the keyword arguments out). `mesh`
+    (`launch.plan_launch`: checked once, so nothing is checked here again; leave the keyword arguments out; its
+    `compile` backend compiles the repeated blocks as the last step, else call `compile_repeated_blocks`). `mesh`
     defaults to `init_distributed()` (all ranks in one TP group); a mesh with "ring" / "ulysses" dimensions
     (`init_distributed(ulysses=..., ring=...)`) adds context parallelism. Only the image group's leader loads the
     text encoder (on CPU) and the VAE; on a mesh with a `cfg` dimension each image group of a CFG pair has its own
@@ -500,7 +502,8 @@ class _Recipe:
     """`load_pipeline`'s steps, in the one order they work in: the transformer is sharded first (context parallelism
     and the cache wrap the sharded module), the cache hooks wrap its coalesced block forwards, the other components
     take the finished transformer, parallel VAE needs the loaded VAE, LoRAs fuse into the final shards, and compiling
-    (by the caller, `compile.compile_repeated_blocks`) comes last, over the fused weights."""
+    (a spec's `compile`; else the caller's `compile.compile_repeated_blocks`) comes last, over the fused weights and
+    every hook."""
 
     def __init__(self, spec: LaunchSpec, mesh: DeviceMesh, torch_dtype):
         self.spec, self.mesh, self.torch_dtype = spec, mesh, torch_dtype
@@ -520,6 +523,7 @@ class _Recipe:
         self.configure_context_parallel(pipe)
         pipeline = self.assemble(pipe, encoder, follower_vae, handle)
         self.fuse_loras(pipeline)
+        self.compile(pipeline)
         return pipeline
 
     def context_parallel_mode(self) -> None:
@@ -598,6 +602,12 @@ class _Recipe:
         if self.spec.loras:
             with self.times.phase("fuse LoRAs"):
                 pipeline.set_loras(list(self.spec.loras))
+
+    def compile(self, pipeline: ParallelPipeline) -> None:
+        """Last: the graphs trace the final weights and every hook (TP, CP, cache) around the blocks. Lazy: the
+        graphs are built at the first call (or by `compile.warmup`)."""
+        if self.spec.compile:
+            compile_repeated_blocks(pipeline, backend=self.spec.compile)
 
 
 def __getattr__(name: str):

@@ -3,6 +3,7 @@
 import coalesce_jobs
 import pytest
 import torch
+from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
 
 from neuron_diffusers import families, tiny
 from neuron_diffusers.parallel import coalesce
@@ -119,8 +120,8 @@ def test_block_reduction_needs_a_known_block_and_its_exact_pair():
 
 
 def test_a_changed_stock_block_forward_is_refused(monkeypatch):
-    forward, linears, _ = coalesce.COALESCED_FORWARDS["FluxTransformerBlock"]
-    monkeypatch.setitem(coalesce.COALESCED_FORWARDS, "FluxTransformerBlock", (forward, linears, "0" * 16))
+    entry = coalesce.COALESCED_FORWARDS[FluxTransformerBlock]
+    monkeypatch.setitem(coalesce.COALESCED_FORWARDS, FluxTransformerBlock, entry._replace(digest="0" * 16))
     with pytest.raises(ValueError, match="differs from the diffusers 0.42.1 one"):
         coalesce.check_plan(_meta("flux"), families.get("flux").plan)
 

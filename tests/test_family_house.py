@@ -5,9 +5,13 @@ import importlib
 import sys
 
 import pytest
+from diffusers import ChromaTransformer2DModel
+from diffusers.models.transformers.transformer_chroma import ChromaTransformerBlock
 
 from neuron_diffusers import families, tiny
 from neuron_diffusers.cli import main
+from neuron_diffusers.compat import plans
+from neuron_diffusers.parallel import blocks, coalesce
 from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 FAMILY = "house_family"  # importing it is the one registry call
@@ -23,19 +27,33 @@ def _generate_on_rank(argv: list[str]) -> dict:
                                          "shape": next(iter(outputs["pixels"].values())).shape}
 
 
+def _pushed() -> dict:
+    """What the mechanisms (which name no family) know of Chroma: its class's TP plan, its block's coalesced forward
+    and cache metadata."""
+    return {"plan": plans.tp_plan_of(ChromaTransformer2DModel), "forward": coalesce.forward_for(ChromaTransformerBlock),
+            "metadata": blocks.cache_metadata_names().get("ChromaTransformerBlock")}
+
+
 @pytest.fixture(scope="module")
 def registered():
-    """The family registered for this module's tests, and the registry restored after them (later tests see ours)."""
+    """The family registered for this module's tests, what the mechanisms knew of it before, and the registry and
+    mechanisms restored after them (later tests see ours only)."""
     with pytest.MonkeyPatch.context() as patch:
         for name in ("FAMILIES", "PIPELINE_FAMILIES", "TINY_CHECKPOINTS"):
             patch.setattr(families, name, getattr(families, name))
         patch.setattr(families, "_BY_NAME", dict(families._BY_NAME))
+        for module, name in ((coalesce, "COALESCED_FORWARDS"), (blocks, "_CACHE_METADATA"), (plans, "_STOCK_PLANS"),
+                             (plans, "_CP_QUIRKS")):
+            patch.setattr(module, name, dict(getattr(module, name)))
+        patch.setattr(ChromaTransformer2DModel, "_tp_plan", ChromaTransformer2DModel._tp_plan)
+        before = _pushed()
         module = sys.modules.get(FAMILY)
         importlib.reload(module) if module is not None else importlib.import_module(FAMILY)
-        yield families.get("chroma")
+        yield families.get("chroma"), before
 
 
 def test_the_registry_knows_the_family_from_its_one_line(registered):
+    registered, _ = registered
     assert registered.adapter.pipeline_class == "ChromaPipeline"
     assert "chroma" in tiny.FAMILIES and "chroma" in families.PIPELINE_FAMILIES
     assert families.by_pipeline_class("ChromaPipeline") is registered
@@ -44,7 +62,24 @@ def test_the_registry_knows_the_family_from_its_one_line(registered):
         families.register(families.Family("chroma", "Another"))
 
 
+def test_registering_pushes_its_plans_where_ours_go(registered):
+    """`register` pushes what `neuron_diffusers/__init__.py` pushes for ours (`families.install`): the TP plan as the
+    class default (stock's kept), the coalesced block forward, the cache metadata. Control: none was there before."""
+    family, before = registered
+    house = importlib.import_module(f"{FAMILY}.pipelines.chroma_blocks").FORWARDS[ChromaTransformerBlock]
+    assert before == {"plan": plans.stock_plan(ChromaTransformer2DModel), "forward": None, "metadata": None}
+    assert _pushed() == {"plan": family.plan, "forward": house, "metadata": (1, 0)}
+    assert plans.stock_plan(ChromaTransformer2DModel) is before["plan"]
+
+
+def test_a_family_whose_files_do_not_import_is_not_registered(registered):
+    with pytest.raises(ModuleNotFoundError, match="no_such_package"):
+        families.register(families.Family("nowhere", "Nowhere", package="no_such_package"))
+    assert not families.is_family("nowhere")
+
+
 def test_plan_verify_runs_on_it(registered, capsys):
+    """On spawned ranks (which register the family again), with its coalesced forward: equal to one process."""
     assert main(["plan", "verify", "chroma", "--tp", "2"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("at every degree")
 

@@ -69,8 +69,7 @@ def test_each_lora_file_is_opened_once_per_rank_per_job(tmp_path, tiny_checkpoin
     transformer = resolve(checkpoint).transformer_class().from_pretrained(checkpoint, subfolder="transformer")
     path = lora_files.save_peft(tmp_path / "ink.safetensors",
                                 lora_files.factors(lora_files.linears(transformer, ("to_q",), False), 2, seed=1))
-    monkeypatch.setattr(lora, "_files", OrderedDict())
-    monkeypatch.setattr(lora, "_reads", OrderedDict())
+    monkeypatch.setattr(lora, "_cache", OrderedDict())
     opens = []
 
     def counting(real, name):
@@ -89,6 +88,25 @@ def test_each_lora_file_is_opened_once_per_rank_per_job(tmp_path, tiny_checkpoin
     assert opens == ["open"], opens
     summary = json.loads((out / "summary.json").read_text())
     assert summary["loras"][0]["scale"] == 0.5 and len(summary["loras"][0]["sha256"]) == 64
+
+
+@pytest.mark.parametrize("budget, kept", [(1, 1), (1 << 30, 2)])
+def test_a_lora_file_and_its_read_share_one_cache(tmp_path, tiny_checkpoint, monkeypatch, budget, kept):
+    """A file's tensors and its checked read are kept, and dropped, together: over the byte budget only the latest
+    file stays, and reading the dropped one again opens it again. Control: within the budget both stay, unopened."""
+    checkpoint = resolve(str(tiny_checkpoint("flux")))
+    transformer = checkpoint.transformer_class().from_pretrained(checkpoint.path, subfolder="transformer")
+    paths = [lora_files.save_peft(tmp_path / f"{name}.safetensors", lora_files.factors(
+        lora_files.linears(transformer, ("to_q",), False), 2, seed=seed)) for seed, name in enumerate("ab")]
+    monkeypatch.setattr(lora, "_cache", OrderedDict())
+    monkeypatch.setattr(lora, "_CACHED_BYTES", budget)
+    lora.check_loras(checkpoint, paths)
+    assert [len(entry.reads) for entry in lora._cache.values()] == [1] * kept
+    opens = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda file, *a, **k: opens.append(str(file)) or real_open(file, *a, **k))
+    lora.check_loras(checkpoint, paths[:1])
+    assert opens.count(str(paths[0])) == (1 if kept == 1 else 0)
 
 
 def test_serve_plans_plan_cache_vae_and_mesh_order_with_the_jobs_checks(tiny_checkpoint):

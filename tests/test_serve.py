@@ -28,6 +28,7 @@ from neuron_diffusers import tiny
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.cli import main
 from neuron_diffusers.job import Request, build_requests, settings_text
+from neuron_diffusers.launch import check_guidance
 from neuron_diffusers.media import png_bytes
 from neuron_diffusers.outputs import model_identity, settings_key
 from neuron_diffusers.parallel.lora import LoraSpec
@@ -63,8 +64,6 @@ def test_bad_requests_are_refused_before_they_queue(body, message):
 
 
 def test_family_rules_and_compiled_sizes():
-    with pytest.raises(ValueError, match="send true_cfg_scale"):
-        plan_work(ImageRequest(prompt="a fox", guidance_scale=4.0), _config("qwenimage"))
     with pytest.raises(ValueError, match="guidance-distilled"):
         plan_work(ImageRequest(prompt="a fox", negative_prompt="blur"), _config("flux2"))
     with pytest.raises(ValueError, match="request: 1 denoising step.*shift_terminal=0.02"):
@@ -73,10 +72,32 @@ def test_family_rules_and_compiled_sizes():
         plan_work(ImageRequest(prompt="a fox", size="32x32"), _config(sizes=((32, 64),)))
     work = plan_work(ImageRequest(prompt="a fox", size="64x32"), _config(sizes=((32, 64),)))
     assert work.kwargs == {"height": 32, "width": 64, "num_inference_steps": 2}
-    # Qwen-Image's guidance is its true_cfg_scale: the job's `guidance`; on a CFG-pair mesh it runs as a pair.
-    work = plan_work(ImageRequest(prompt="a fox", negative_prompt="blur", true_cfg_scale=3.0),
+    # Qwen-Image's guidance_scale is its true_cfg_scale (the job's `guidance`); on a CFG-pair mesh it runs as a pair.
+    work = plan_work(ImageRequest(prompt="a fox", negative_prompt="blur", guidance_scale=3.0),
                      _config("qwenimage", cfg=2))
     assert work.kwargs["true_cfg_scale"] == 3.0 and work.texts[0]["cfg"] == "2"
+
+
+def _job_guidance(model, guidance=None, true_cfg_scale=None):
+    """The job's rule on its flags (`generate --guidance G --true-cfg-scale T`)."""
+    check_guidance(resolve(model).adapter, {"--negative-prompt": None, "--guidance": guidance,
+                                            "--true-cfg-scale": true_cfg_scale})
+
+
+def _server_guidance(model, guidance=None, true_cfg_scale=None):
+    plan_work(ImageRequest(prompt="a fox", guidance_scale=guidance, true_cfg_scale=true_cfg_scale), _config(model))
+
+
+@pytest.mark.parametrize("apply, guidance, true_cfg", [(_job_guidance, "--guidance 3", "--true-cfg-scale"),
+                                                       (_server_guidance, "guidance_scale=3", "true_cfg_scale")])
+def test_the_job_and_the_server_take_guidance_by_one_rule(apply, guidance, true_cfg):
+    """Qwen-Image's true CFG scale is set by the guidance option in both, and the true-CFG one is refused with the
+    same message in each one's own names. Controls: its guidance is taken, and FLUX.1 takes a true-CFG scale."""
+    with pytest.raises(ValueError, match=f"QwenImagePipeline, {guidance.split()[0].split('=')[0]} sets "
+                                         f"true_cfg_scale: use {guidance} instead of {true_cfg}"):
+        apply("qwenimage", true_cfg_scale=3.0)
+    apply("qwenimage", guidance=3.0)
+    apply("flux", true_cfg_scale=3.0)
 
 
 def test_a_request_is_the_jobs_request_with_the_same_text_chunks():

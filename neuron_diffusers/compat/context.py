@@ -119,7 +119,7 @@ def processors(model) -> list:
     return list(found.values())
 
 
-_ATTACHED = "_neuron_diffusers_cp_plan"
+_ATTACHED = "_nd_cp_plan"
 
 
 def attach_context_parallel(model, config, plan: dict) -> None:

@@ -28,7 +28,7 @@ from . import cache, plans, vae
 #: Where diffusers' context-parallel plans say to split and gather the sequence (not exported by diffusers 0.42).
 ContextParallelInput = _modeling_parallel.ContextParallelInput
 ContextParallelOutput = _modeling_parallel.ContextParallelOutput
-#: Flux.2's shared modulation (its `split` is called by the coalesced Flux.2 block forward in `parallel/coalesce.py`).
+#: Flux.2's shared modulation (its `split` is called by Flux.2's coalesced block forward, `pipelines/flux2_blocks.py`).
 Flux2Modulation = transformer_flux2.Flux2Modulation
 
 #: Private names of the tensor- and context-parallel paths (`tp_loading`, `context`, `enable`, `install`).
@@ -63,9 +63,9 @@ _PARALLEL_NAMES = (
 
 #: Reached outside `compat` (not exported by diffusers, or torch-private).
 _ELSEWHERE = (
-    (transformer_flux2, "Flux2Modulation"),  # parallel/coalesce.py
+    (transformer_flux2, "Flux2Modulation"),  # pipelines/flux2_blocks.py
     (Flux2Modulation, "split"),
-    (transformer_qwenimage.QwenImageTransformerBlock, "_modulate"),  # parallel/coalesce.py (Qwen-Image block)
+    (transformer_qwenimage.QwenImageTransformerBlock, "_modulate"),  # pipelines/qwenimage_blocks.py
     (tensor_parallel, "PackedColwiseParallel"),  # tp_plans/*.py, parallel/rules.py
     (tensor_parallel, "PackedRowwiseParallel"),
     (torch._C, "_get_accelerator"),  # `tp_loading`: the device stock builds a mesh on

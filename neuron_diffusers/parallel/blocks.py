@@ -8,35 +8,32 @@ string branch the package avoids. So a name is resolved once to the class it nam
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 
 import torch
 
-#: Where the cache finds block metadata diffusers lacks: callables returning {block class name: (index of
-#: `hidden_states` in the block's output, index of `encoder_hidden_states` or None)}. The family registry adds one
-#: (each family's `CACHE_BLOCK_METADATA`, in `tp_plans/<family>.py`); this module never names a family.
-_CACHE_METADATA_SOURCES: list[Callable[[], dict[str, tuple]]] = []
+#: Block metadata diffusers lacks, pushed in by the family registry (each family's `CACHE_BLOCK_METADATA`, in
+#: `tp_plans/<family>.py`; `families.install`): {block class name: (index of `hidden_states` in the block's output,
+#: index of `encoder_hidden_states` or None)}. This module never names a family.
+_CACHE_METADATA: dict[str, tuple] = {}
 
 
-def add_cache_metadata_source(source: Callable[[], dict[str, tuple]]) -> None:
-    """Register `source`, read (lazily, at each lookup) by `cache_metadata_for`."""
-    if source not in _CACHE_METADATA_SOURCES:
-        _CACHE_METADATA_SOURCES.append(source)
+def add_cache_metadata(metadata: dict[str, tuple]) -> None:
+    """Register block metadata, read at each lookup by `cache_metadata_for`."""
+    _CACHE_METADATA.update(metadata)
 
 
 def cache_metadata_for(model: torch.nn.Module, cls: type) -> tuple | None:
     """The registered cache metadata of block class `cls` of `model` (or of a class it derives from), or None."""
-    for source in _CACHE_METADATA_SOURCES:
-        for name, metadata in source().items():
-            types = block_types_of(model, [name])
-            if types and issubclass(cls, types):
-                return metadata
+    for name, metadata in _CACHE_METADATA.items():
+        types = block_types_of(model, [name])
+        if types and issubclass(cls, types):
+            return metadata
     return None
 
 
 def cache_metadata_names() -> dict[str, tuple]:
     """Every registered block class name -> its metadata (for messages and the deprecated `OWN_BLOCK_METADATA`)."""
-    return {name: metadata for source in _CACHE_METADATA_SOURCES for name, metadata in source().items()}
+    return dict(_CACHE_METADATA)
 
 
 def block_types_of(model: torch.nn.Module, names) -> tuple[type, ...]:

@@ -9,8 +9,9 @@ without changing what any rank computes:
   local result, `bias / tp` included); a forward hook on the module named by `reduced_at` (e.g. a
   dual-stream block's `attn`, which returns both streams) all-reduces all of them in one call. With
   `reduced_at="block"` the block's forward does it: `COALESCED_FORWARDS` holds, per dual-stream block
-  class, stock's forward with the two feed-forwards both computed before either is used, so one
-  all-reduce serves both. Same operations as stock, in that order.
+  class, the family's mirror of stock's forward with the two feed-forwards both computed before either
+  is used, so one all-reduce serves both (`CoalescedForward`; each family keeps its own in its files and
+  the registry pushes them here). Same operations as stock, in that order.
 - `GatheredColwiseParallel(hoist_from=...)`: every AdaLN modulation Linear reads `silu(temb)`, so right
   after the module producing `temb` runs, all of them are computed from the local weight shards and
   all-gathered in one call; each Linear then returns its slice of the result. The results live only
@@ -30,14 +31,15 @@ import functools
 import hashlib
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
 from torch.distributed import _functional_collectives as funcol
 
-from ..compat.privates import Flux2Modulation
 from ..compat.version import pinned_diffusers
 from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
 from .rules import expand_rule
@@ -93,130 +95,9 @@ def _reduce_outputs_hook(module, args, output, *, mesh, expected: int):
     return tuple(reduced) if isinstance(output, tuple) else reduced[0]
 
 
-def _flux_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
-                        joint_attention_kwargs=None):
-    """`FluxTransformerBlock.forward` (diffusers 0.42.1) with both feed-forwards reduced in one all-reduce."""
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
-    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
-        encoder_hidden_states, emb=temb
-    )
-    joint_attention_kwargs = joint_attention_kwargs or {}
-    attention_outputs = self.attn(
-        hidden_states=norm_hidden_states,
-        encoder_hidden_states=norm_encoder_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
-    )
-    if len(attention_outputs) == 2:
-        attn_output, context_attn_output = attention_outputs
-    elif len(attention_outputs) == 3:
-        attn_output, context_attn_output, ip_attn_output = attention_outputs
-
-    attn_output = gate_msa.unsqueeze(1) * attn_output
-    hidden_states = hidden_states + attn_output
-    norm_hidden_states = self.norm2(hidden_states)
-    norm_hidden_states = norm_hidden_states * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-    ff_output = self.ff(norm_hidden_states)
-
-    context_attn_output = c_gate_msa.unsqueeze(1) * context_attn_output
-    encoder_hidden_states = encoder_hidden_states + context_attn_output
-    norm_encoder_hidden_states = self.norm2_context(encoder_hidden_states)
-    norm_encoder_hidden_states = norm_encoder_hidden_states * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
-    context_ff_output = self.ff_context(norm_encoder_hidden_states)
-
-    ff_output, context_ff_output = reduce_together([ff_output, context_ff_output], self._nd_tp_mesh)
-
-    ff_output = gate_mlp.unsqueeze(1) * ff_output
-    hidden_states = hidden_states + ff_output
-    if len(attention_outputs) == 3:
-        hidden_states = hidden_states + ip_attn_output
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * context_ff_output
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
-
-
-def _flux2_block_forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt,
-                         image_rotary_emb=None, joint_attention_kwargs=None):
-    """`Flux2TransformerBlock.forward` (diffusers 0.42.1) with both feed-forwards reduced in one all-reduce."""
-    joint_attention_kwargs = joint_attention_kwargs or {}
-    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = Flux2Modulation.split(temb_mod_img, 2)
-    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = Flux2Modulation.split(
-        temb_mod_txt, 2
-    )
-    norm_hidden_states = self.norm1(hidden_states)
-    norm_hidden_states = (1 + scale_msa) * norm_hidden_states + shift_msa
-    norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states)
-    norm_encoder_hidden_states = (1 + c_scale_msa) * norm_encoder_hidden_states + c_shift_msa
-    attn_output, context_attn_output = self.attn(
-        hidden_states=norm_hidden_states,
-        encoder_hidden_states=norm_encoder_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
-    )
-
-    attn_output = gate_msa * attn_output
-    hidden_states = hidden_states + attn_output
-    norm_hidden_states = self.norm2(hidden_states)
-    norm_hidden_states = norm_hidden_states * (1 + scale_mlp) + shift_mlp
-    ff_output = self.ff(norm_hidden_states)
-
-    context_attn_output = c_gate_msa * context_attn_output
-    encoder_hidden_states = encoder_hidden_states + context_attn_output
-    norm_encoder_hidden_states = self.norm2_context(encoder_hidden_states)
-    norm_encoder_hidden_states = norm_encoder_hidden_states * (1 + c_scale_mlp) + c_shift_mlp
-    context_ff_output = self.ff_context(norm_encoder_hidden_states)
-
-    ff_output, context_ff_output = reduce_together([ff_output, context_ff_output], self._nd_tp_mesh)
-
-    hidden_states = hidden_states + gate_mlp * ff_output
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp * context_ff_output
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
-
-
-def _qwenimage_block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                             image_rotary_emb=None, joint_attention_kwargs=None, modulate_index=None):
-    """`QwenImageTransformerBlock.forward` (diffusers 0.42.1) with both MLPs reduced in one all-reduce."""
-    img_mod_params = self.img_mod(temb)
-    if self.zero_cond_t:
-        temb = torch.chunk(temb, 2, dim=0)[0]
-    txt_mod_params = self.txt_mod(temb)
-    img_mod1, img_mod2 = img_mod_params.chunk(2, dim=-1)
-    txt_mod1, txt_mod2 = txt_mod_params.chunk(2, dim=-1)
-
-    img_normed = self.img_norm1(hidden_states)
-    img_modulated, img_gate1 = self._modulate(img_normed, img_mod1, modulate_index)
-    txt_normed = self.txt_norm1(encoder_hidden_states)
-    txt_modulated, txt_gate1 = self._modulate(txt_normed, txt_mod1)
-    joint_attention_kwargs = joint_attention_kwargs or {}
-    img_attn_output, txt_attn_output = self.attn(
-        hidden_states=img_modulated,
-        encoder_hidden_states=txt_modulated,
-        encoder_hidden_states_mask=encoder_hidden_states_mask,
-        image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
-    )
-    hidden_states = hidden_states + img_gate1 * img_attn_output
-    encoder_hidden_states = encoder_hidden_states + txt_gate1 * txt_attn_output
-
-    img_normed2 = self.img_norm2(hidden_states)
-    img_modulated2, img_gate2 = self._modulate(img_normed2, img_mod2, modulate_index)
-    img_mlp_output = self.img_mlp(img_modulated2)
-    txt_normed2 = self.txt_norm2(encoder_hidden_states)
-    txt_modulated2, txt_gate2 = self._modulate(txt_normed2, txt_mod2)
-    txt_mlp_output = self.txt_mlp(txt_modulated2)
-
-    img_mlp_output, txt_mlp_output = reduce_together([img_mlp_output, txt_mlp_output], self._nd_tp_mesh)
-
-    hidden_states = hidden_states + img_gate2 * img_mlp_output
-    encoder_hidden_states = encoder_hidden_states + txt_gate2 * txt_mlp_output
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+def reduce_in_block(block: torch.nn.Module, partial_sums: list[torch.Tensor]) -> list[torch.Tensor]:
+    """For a family's coalesced block forward: its partial sums reduced together over the block's TP mesh."""
+    return reduce_together(partial_sums, block._nd_tp_mesh)
 
 
 _SUBCLASSES: dict = {}
@@ -242,13 +123,30 @@ def stock_class(cls: type) -> type:
 _stock_class = stock_class
 
 
-#: Block class name -> (coalesced forward, the partial Linears it reduces together (relative to the block), and a
-#: digest of the stock forward it mirrors: a diffusers release that changes that forward is refused, not mixed).
-COALESCED_FORWARDS = {
-    "FluxTransformerBlock": (_flux_block_forward, ("ff.net.2", "ff_context.net.2"), "0b184cbe172708b6"),
-    "Flux2TransformerBlock": (_flux2_block_forward, ("ff.linear_out", "ff_context.linear_out"), "b5d26783a67cbd6d"),
-    "QwenImageTransformerBlock": (_qwenimage_block_forward, ("img_mlp.net.2", "txt_mlp.net.2"), "89de238db44a7a47"),
-}
+class CoalescedForward(NamedTuple):
+    """A family's mirror of one stock block forward, with feed-forwards computed before either is used so that one
+    all-reduce (`reduce_in_block`) serves the partial Linears it names (relative to the block); `digest` is the
+    `source_digest` of the pinned stock forward it mirrors: a diffusers release that changes it is refused, not
+    mixed."""
+
+    forward: Callable
+    linears: tuple[str, ...]
+    digest: str
+
+
+#: Block class -> its coalesced forward, pushed in by the family registry (each family's `BLOCK_FORWARDS` module;
+#: `families.install`): this module names no family. Looked up by class (`forward_for`), subclasses included.
+COALESCED_FORWARDS: dict[type, CoalescedForward] = {}
+
+
+def register_forward(block_class: type, entry: CoalescedForward) -> None:
+    COALESCED_FORWARDS[block_class] = entry
+
+
+def forward_for(block_class: type) -> CoalescedForward | None:
+    """The registered coalesced forward of `block_class` (its stock class, or a class it derives from), or None."""
+    return next((COALESCED_FORWARDS[base] for base in stock_class(block_class).__mro__
+                 if base in COALESCED_FORWARDS), None)
 
 
 def source_digest(function) -> str:
@@ -376,16 +274,16 @@ def check_plan(model: torch.nn.Module, plan: dict, *, whole_plan: bool = True) -
                     f"field of {type(model).__name__}."
                 )
     for block_cls, paths in block_rules.items() if whole_plan else ():
-        known = COALESCED_FORWARDS.get(block_cls.__name__)
-        if known is None or set(known[1]) != paths:
-            supported = {name: list(linears) for name, (_, linears, _) in COALESCED_FORWARDS.items()}
+        known = forward_for(block_cls)
+        if known is None or set(known.linears) != paths:
+            supported = {cls.__name__: list(entry.linears) for cls, entry in COALESCED_FORWARDS.items()}
             raise ValueError(
                 f"Tensor-parallel plan reduces {sorted(paths)} of {block_cls.__name__} in the block "
                 f"(PartialRowwiseParallel(reduced_at='block')), but neuron_diffusers has no coalesced forward for "
                 "that: "
                 f"supported blocks and their Linears: {supported}. Use 'rowwise' for these Linears."
             )
-        if source_digest(block_cls.forward) != known[2]:
+        if source_digest(block_cls.forward) != known.digest:
             raise ValueError(
                 f"This diffusers' {block_cls.__name__}.forward differs from the diffusers 0.42.1 one that "
                 f"neuron_diffusers' coalesced forward mirrors, so reducing {sorted(paths)} together could compute "
@@ -409,7 +307,7 @@ def install(model: torch.nn.Module, plan: dict, mesh) -> None:
     for (_, reduced_at), (block, count) in groups.items():
         if reduced_at == _BLOCK:
             block._nd_tp_mesh = mesh
-            _with_forward(block, COALESCED_FORWARDS[type(block).__name__][0])
+            _with_forward(block, forward_for(type(block)).forward)
         else:
             # A plain torch hook, the same function for every block: it runs inside the compiled blocks, where one
             # shared hook keeps one graph for all of them.

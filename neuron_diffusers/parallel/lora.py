@@ -131,27 +131,49 @@ class LoraFile:
     metadata: dict | None
     sha256: str
 
+
+@dataclass
+class _CachedFile:
+    """One LoRA file in the read cache: its contents and its reads against transformer configs (`read_lora`), kept
+    and dropped together. A read's factors are often the file's own tensors, so they are counted once."""
+
+    file: LoraFile
+    reads: dict[tuple, LoadedLora] = field(default_factory=dict)
+
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        tensors = [*self.file.tensors.values(), *(t for lora in self.reads.values() for t in lora.tensors())]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
 
 
-_files: OrderedDict[tuple, LoraFile] = OrderedDict()
+#: The one read cache: recent LoRA files by path, size and mtime (up to `_CACHED_BYTES`; the latest always), so the
+#: checks before loading, the sha256 outputs record, the load and switching back to a LoRA read each file once.
+_cache: OrderedDict[tuple, _CachedFile] = OrderedDict()
+
+
+def _cached(path: Path) -> _CachedFile:
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _cache:
+        with open(path, "rb") as handle:
+            data = handle.read()
+        _cache[key] = _CachedFile(_parse(path, data))
+        _evict()
+    _cache.move_to_end(key)
+    return _cache[key]
+
+
+def _evict() -> None:
+    """Drop the least recently used files (with their reads) while the cache holds over `_CACHED_BYTES`."""
+    while len(_cache) > 1 and sum(entry.nbytes for entry in _cache.values()) > _CACHED_BYTES:
+        _cache.popitem(last=False)
 
 
 def read_file(path: Path) -> LoraFile:
     """The file's tensors, metadata and sha256 from one read of its bytes (a job opens each LoRA file once per
-    rank: checking, recording and loading all use this). Kept by path, size and mtime, like `read_lora`'s reads."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _files:
-        with open(path, "rb") as handle:
-            data = handle.read()
-        _files[key] = _parse(path, data)
-        while len(_files) > 1 and sum(f.nbytes for f in _files.values()) > _CACHED_BYTES:
-            _files.popitem(last=False)
-    _files.move_to_end(key)
-    return _files[key]
+    rank: checking, recording and loading all use this)."""
+    return _cached(path).file
 
 
 def _parse(path: Path, data: bytes) -> LoraFile:
@@ -188,11 +210,9 @@ class LoadedLora:
     network_alphas: dict | None = None
     metadata: dict | None = None
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes of tensors it holds (what the read cache counts)."""
-        tensors = [t for f in self.factors.values() for t in (f.A, f.B)] + list(self.text_state_dict.values())
-        return sum(t.nbytes for t in tensors)
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds (what the read cache counts)."""
+        return [t for f in self.factors.values() for t in (f.A, f.B)] + list(self.text_state_dict.values())
 
 
 def lora_loader(adapter):
@@ -313,25 +333,20 @@ def _config_key(model_class: type, config) -> str:
     return json.dumps(values, sort_keys=True, default=str)
 
 
-_reads: OrderedDict[tuple, LoadedLora] = OrderedDict()
-
-
 def read_lora(spec: LoraSpec, loader, model_class: type, config) -> LoadedLora:
     """Read `spec` with stock `loader.lora_state_dict` and check it against a `model_class(**config)`; the model
     itself is only built on the meta device, so nothing is loaded or modified.
 
-    Recent reads are kept (up to `_CACHED_BYTES`; by file path, size and mtime, and the transformer's config, not the
-    scale), so the checks before loading, the load and switching back to a LoRA read each file once.
+    The read is kept with its file in the read cache (by the transformer's class and config, not the scale), so the
+    checks before loading, the load and switching back to a LoRA read and check each file once.
     """
     path = spec.file()
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, model_class.__name__, _config_key(model_class, config))
-    if key not in _reads:
-        _reads[key] = _read(LoraSpec(str(path), spec.scale), path, loader, model_class, config)
-        while len(_reads) > 1 and sum(lora.nbytes for lora in _reads.values()) > _CACHED_BYTES:
-            _reads.popitem(last=False)
-    _reads.move_to_end(key)
-    return dataclasses.replace(_reads[key], spec=spec)
+    entry = _cached(path)
+    key = (model_class, _config_key(model_class, config))
+    if key not in entry.reads:
+        entry.reads[key] = _read(LoraSpec(str(path), spec.scale), path, loader, model_class, config)
+        _evict()
+    return dataclasses.replace(entry.reads[key], spec=spec)
 
 
 def _read(spec: LoraSpec, path: Path, loader, model_class: type, config) -> LoadedLora:

@@ -37,7 +37,7 @@ STRATEGIES = {
 }
 #: The instance attribute that holds a VAE's handle: on the VAE itself, so a VAE dropped by its pipeline is freed
 #: (a module-level table of handles would keep every VAE alive, since each handle refers to its VAE).
-HANDLE_ATTRIBUTE = "_neuron_diffusers_parallel_vae"
+HANDLE_ATTRIBUTE = "_nd_parallel_vae"
 
 
 def check_supported(vae_class_name: str) -> None:

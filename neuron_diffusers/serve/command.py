@@ -29,7 +29,7 @@ import time
 import torch.distributed as dist
 
 from ..cli import positive_float, positive_int
-from ..compile import compile_repeated_blocks, warmup
+from ..compile import warmup
 from ..consistency import CallEntry
 from ..distributed import (
     default_store,
@@ -212,9 +212,8 @@ def main(args: argparse.Namespace) -> int:
     liveness = Liveness(default_store(), runtime.rank, runtime.world_size, args.peer_timeout,
                         on_failure=front.scheduler.fail if front is not None else lambda failure: None).start()
     try:
-        pipe = load_pipeline(launch, mesh)
+        pipe = load_pipeline(launch, mesh)  # compiled as its last step with --compile
         if args.compile:
-            compile_repeated_blocks(pipe, backend=args.compile)
             warmup(pipe, list(args.sizes), num_inference_steps=2)
         # Ready when every replica is: the handshake waits (up to the collective timeout) for the slowest load.
         CallEntry(list(range(runtime.world_size)), "serve ready", timeout_s=None).enter([config.checkpoint.source])

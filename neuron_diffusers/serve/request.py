@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..checkpoint import Checkpoint
 from ..job import Request, build_requests, call_kwargs, output_key, settings_text
+from ..launch import check_guidance
 from ..media import InputImage
 from ..pipelines.base import MAX_SEED, SizeLimits
 from ..pipelines.image_inputs import check_image_kwargs
@@ -227,17 +228,15 @@ def _loras(choices: list[LoraChoice], config: ServeConfig) -> list[dict]:
 
 
 def _guidance(body: ImageRequest, adapter) -> dict:
-    """The job's per-line `guidance` / `true_cfg_scale` for this body: `guidance` is whatever the family's
-    `guidance_kwarg` is (FLUX.1: guidance_scale; Qwen-Image: true_cfg_scale), `true_cfg_scale` only FLUX.1's."""
+    """The job's per-line `guidance` / `true_cfg_scale` for this body, accepted by the job's own rule
+    (`launch.check_guidance`, the body's field names in its messages): `guidance_scale` is the job's `--guidance`,
+    whatever the family's `guidance_kwarg` is (FLUX.1: guidance_scale; Qwen-Image: true_cfg_scale), and
+    `true_cfg_scale` its `--true-cfg-scale` (FLUX.1's true CFG; refused where guidance_scale already sets it)."""
+    check_guidance(adapter, {"negative_prompt": body.negative_prompt, "guidance_scale": body.guidance_scale,
+                             "true_cfg_scale": body.true_cfg_scale}, where="request: ")
     entry = {}
-    given = [name for name in ("guidance_scale", "true_cfg_scale") if getattr(body, name) is not None]
-    if given and adapter.guidance_kwarg is None:
-        raise ValueError(f"{adapter.pipeline_class} is guidance-distilled: drop {' and '.join(given)}.")
     if body.guidance_scale is not None:
-        if adapter.guidance_kwarg == "true_cfg_scale":
-            raise ValueError(f"{adapter.pipeline_class} takes its guidance as true_cfg_scale: send true_cfg_scale "
-                             "instead of guidance_scale.")
         entry["guidance"] = body.guidance_scale
     if body.true_cfg_scale is not None:
-        entry["guidance" if adapter.guidance_kwarg == "true_cfg_scale" else "true_cfg_scale"] = body.true_cfg_scale
+        entry["true_cfg_scale"] = body.true_cfg_scale
     return entry

@@ -1,7 +1,8 @@
 """Run a function on N local CPU ranks over gloo and collect what each returns.
 
 Used by the tests and by tools that prove a plan numerically (TP=1 vs TP=N) without torchrun.
-Each rank is a fresh `spawn`ed interpreter, so `fn` must be importable (a module-level function).
+Each rank is a fresh `spawn`ed interpreter, so `fn` must be importable (a module-level function); the families
+registered from outside the package (`families.register`) are registered there again before it runs.
 A rank ends in the job's fixed order (`distributed.exit_process`): result flushed to the parent, every rank past
 its last collective, process group destroyed, `os._exit`; a normal interpreter exit could abort in a gloo thread.
 """
@@ -19,6 +20,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .. import families
 from ..distributed import exit_process, leave_together
 
 
@@ -32,13 +34,15 @@ def _free_port() -> int:
 _LEAVE_TIMEOUT_S = 30.0
 
 
-def _rank_main(fn, rank, world_size, port, timeout_s, args, results) -> None:
+def _rank_main(fn, rank, world_size, port, timeout_s, args, results, outside=()) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     try:
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        for family in outside:  # a fresh interpreter knows only our families: the parent's others too
+            families.register(family)
         # Plain pickle: torch's queue reducers pass tensors by shared-memory handles, which die
         # with this process before the parent reads them.
         results.put((rank, True, pickle.dumps(fn(*args))))
@@ -80,7 +84,8 @@ def run_on_cpu_ranks(fn, world_size: int, *args, timeout_s: float = 300.0,
     port = _free_port()
     collective = timeout_s if collective_timeout_s is None else collective_timeout_s
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, collective, args, results), daemon=True)
+        ctx.Process(target=_rank_main, daemon=True,
+                    args=(fn, r, world_size, port, collective, args, results, families.outside_families()))
         for r in range(world_size)
     ]
     for proc in procs:

@@ -12,7 +12,7 @@ so they divide like the heads.
 
 A double-stream block's attention pair is reduced as the attention returns both streams
 (`reduced_at="attn"`) and its feed-forward pair in the block (`reduced_at="block"`, see
-`parallel/coalesce.py`): per forward 19 x 2 + 38 = 76 all-reduces and 1 all-gather, against stock's
+`pipelines/flux_blocks.py`): per forward 19 x 2 + 38 = 76 all-reduces and 1 all-gather, against stock's
 114 all-reduces.
 
 `context_embedder` (4096 -> 3072, 0.11%) stays replicated: sharding it would cost a second
@@ -25,6 +25,8 @@ from diffusers.hooks.tensor_parallel import PackedRowwiseParallel
 
 from .styles import GatheredColwiseParallel, PartialRowwiseParallel
 
+#: The module holding this family's coalesced block forward (`reduced_at="block"` below), for the family registry.
+BLOCK_FORWARDS = "pipelines.flux_blocks"
 MODEL_CLASS = "FluxTransformer2DModel"
 
 # Left replicated on purpose (shares of the full-size default config's parameters):

@@ -23,6 +23,8 @@ from diffusers.hooks.tensor_parallel import PackedColwiseParallel, PackedRowwise
 
 from .styles import GatheredColwiseParallel, PartialRowwiseParallel
 
+#: The module holding this family's coalesced block forward (`reduced_at="block"` below), for the family registry.
+BLOCK_FORWARDS = "pipelines.flux2_blocks"
 MODEL_CLASS = "Flux2Transformer2DModel"
 
 # Left replicated on purpose (shares of the full-size default config's parameters):

@@ -21,6 +21,8 @@ Per rank at TP=8 (bf16): stock 15.90 GiB, ours 4.79 GiB, ideal (total / 8) 4.76 
 
 from .styles import GatheredColwiseParallel, PartialRowwiseParallel
 
+#: The module holding this family's coalesced block forward (`reduced_at="block"` below), for the family registry.
+BLOCK_FORWARDS = "pipelines.qwenimage_blocks"
 MODEL_CLASS = "QwenImageTransformer2DModel"
 
 # Left replicated on purpose (shares of the full-size default config's parameters):
