@@ -11,11 +11,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_mod
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ..distributed import check_heads_divisible
-from ..parallel import coalesce, rules
-from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
+from ..parallel import coalesce, rules, sharded_norm
+from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel, ShardedRMSNorm
 from . import privates
 
-_OUR_STYLES = (GatheredColwiseParallel, PartialRowwiseParallel)
+_OUR_STYLES = (GatheredColwiseParallel, PartialRowwiseParallel, ShardedRMSNorm)
 
 
 def default_tp_device_type() -> str:
@@ -78,8 +78,12 @@ def _torch_style(style, partition: bool):
     - `GatheredColwiseParallel(hoist_from=...)`: colwise layout and no hooks: `coalesce` computes it.
     - `PartialRowwiseParallel`: rowwise, output left as this rank's partial sum (`Partial()`), for `coalesce`
       to reduce together with its partners.
+    - `ShardedRMSNorm`: the norm's weight split like the colwise output it normalizes, and a forward with one
+      all-reduce (`parallel/sharded_norm.py`).
     `partition=False` (after a streaming load) keeps the weights the loader already placed as shards.
     """
+    if isinstance(style, ShardedRMSNorm):
+        return sharded_norm.ShardedNormStyle(partition)
     base = RowwiseParallel if isinstance(style, PartialRowwiseParallel) else ColwiseParallel
 
     class _Style(base):
@@ -121,11 +125,13 @@ def shard_specs(model: torch.nn.Module, plan: dict, tp: int, *, whole_plan: bool
     the Linear, a block that `tp` does not divide, or coalescing rules `coalesce` cannot honour
     (`whole_plan=False` skips the one check that needs every rule: which Linears a block forward reduces together).
     """
-    rules.expand(model, plan)
+    targets = rules.expand(model, plan)
     coalesce.check_plan(model, plan, whole_plan=whole_plan)
     layouts = {GatheredColwiseParallel: "colwise", PartialRowwiseParallel: "rowwise"}
     stock = privates.stock(tensor_parallel, "resolve_tp_shard_specs")  # diffusers' own, under our wrapper
-    return stock(model, {k: layouts.get(type(v), v) for k, v in plan.items()}, tp)
+    linears = {k: layouts.get(type(v), v) for k, v in plan.items() if not isinstance(v, ShardedRMSNorm)}
+    norms = [t for t in targets if isinstance(t.style, ShardedRMSNorm)]  # stock lays out Linears only
+    return {**stock(model, linears, tp), **sharded_norm.shard_specs(norms, tp)}
 
 
 def local_shard(tensor: torch.Tensor, dim: int, block_sizes: list[int], mesh) -> torch.Tensor:

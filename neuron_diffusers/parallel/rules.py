@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from diffusers.hooks.tensor_parallel import PackedColwiseParallel, PackedRowwiseParallel
 
-from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel
+from ..tp_plans.styles import GatheredColwiseParallel, PartialRowwiseParallel, ShardedRMSNorm
+from . import sharded_norm
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,21 @@ def expand_rule(model: torch.nn.Module, rule: str, style=None) -> list[Target]:
 def expand(model: torch.nn.Module, plan: dict) -> list[Target]:
     """Every module `plan` names, in plan order (sharding issues collectives in this order: it must not vary).
 
-    Each must be an `nn.Linear`: a rule naming anything else would silently shard nothing.
+    Each must be an `nn.Linear` (an RMSNorm for `ShardedRMSNorm`): a rule naming anything else would silently shard
+    nothing.
     """
     targets = []
     for rule, style in plan.items():
         matched = expand_rule(model, rule, style)
+        if isinstance(style, ShardedRMSNorm):
+            if not matched or not all(sharded_norm.supports(t.module) for t in matched):
+                raise ValueError(
+                    f"Tensor-parallel plan rule '{rule}' is ShardedRMSNorm(), which splits an RMSNorm over one "
+                    f"dimension, but it matches {sorted({type(t.module).__name__ for t in matched}) or 'no module'} "
+                    f"in {type(model).__name__}. Point it at the norm module (torch.nn.RMSNorm or diffusers' RMSNorm)."
+                )
+            targets += matched
+            continue
         if not matched or not all(isinstance(t.module, torch.nn.Linear) for t in matched):
             raise ValueError(
                 f"Tensor-parallel plan rule '{rule}' must match nn.Linear modules in {type(model).__name__}, got "
@@ -95,7 +106,10 @@ def expand(model: torch.nn.Module, plan: dict) -> list[Target]:
 def style_kind(style) -> str | None:
     """What a plan style does to its Linear: `"colwise"` (output left split across the ranks, packed or not),
     `"rowwise"` (input split, output all-reduced, now or together with partners later), `"gathered"` (output
-    all-gathered, alone or hoisted), or None (not a style)."""
+    all-gathered, alone or hoisted), `"norm"` (an RMSNorm over split features: one all-reduce), or None (not a
+    style)."""
+    if isinstance(style, ShardedRMSNorm):
+        return "norm"
     if isinstance(style, GatheredColwiseParallel):
         return "gathered"
     if style == "colwise" or isinstance(style, PackedColwiseParallel):
@@ -115,7 +129,7 @@ def collective_groups(model: torch.nn.Module, plan: dict) -> list[tuple[str, lis
     """
     groups: dict[tuple, tuple[str, list[Target]]] = {}
     for index, target in enumerate(expand(model, plan)):
-        kind = {"rowwise": "all_reduce", "gathered": "all_gather"}.get(style_kind(target.style))
+        kind = {"rowwise": "all_reduce", "norm": "all_reduce", "gathered": "all_gather"}.get(style_kind(target.style))
         if kind is None:
             continue
         hoisted = getattr(target.style, "hoist_from", None)
