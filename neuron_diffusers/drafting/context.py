@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+
 from ..compat.privates import ContextParallelInput, ContextParallelOutput
 
 #: Parameter names that carry the text sequence (cross- or joint-attention states, their masks and positions).
