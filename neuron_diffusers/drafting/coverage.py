@@ -19,6 +19,7 @@ from ..compat.plans import cp_plan_of
 from ..parallel.rules import collectives_per_forward
 from ..tools.plan.cases import build_case, verifiable_models
 from ..tools.plan.sharding import per_rank_params
+from ..tp_plans.styles import ShardedRMSNorm
 from .context import CpDraft, draft_cp_plans, plan_text
 from .draft import Draft, draft_plan
 from .proof import verify_cp, verify_drafts
@@ -200,8 +201,7 @@ def _verify_fallbacks(pending: dict, rows: dict, log) -> None:
 
     fallbacks = {}
     for name, (case, plan) in pending.items():
-        if rows[name].get("verified", {}).get("ok") or not any(type(s).__name__ == "ShardedRMSNorm"
-                                                                for s in plan.values()):
+        if rows[name].get("verified", {}).get("ok") or not any(isinstance(s, ShardedRMSNorm) for s in plan.values()):
             continue
         draft = draft_plan(meta_transformer(str(case.checkpoint / "transformer")).module, shard_norms=False)
         if draft.plan and not draft.check_errors and 2 in draft.degrees:
