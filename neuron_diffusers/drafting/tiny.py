@@ -21,6 +21,8 @@ import torch
 from ..tools.plan.cases import Case, predictions
 
 TINY_HEADS, TINY_HEAD_DIM, TINY_BLOCKS, BATCH, TEXT_LEN = 4, 16, 2, 2, 16
+#: A tiny instance larger than this is refused before it is built (a config the rule could not shrink).
+TINY_MAX_PARAMS = 50_000_000
 _BLOCKS = re.compile(r"^(num_)?(\w+_)?(layers|blocks|depth)$")
 _HEADS = re.compile(r"^(num_)?(\w+_)?heads$")
 _HEAD_DIM = re.compile(r"^(\w+_)?head_dim$")
@@ -297,8 +299,14 @@ def _redraw_zeros(model: torch.nn.Module) -> None:
 def tiny_case(cls, workdir: Path, seed: int = 0, base: dict | None = None) -> Case:
     """A tiny random `cls` (its default config, or `base` shrunk) saved under `workdir/transformer`, and the first
     synthesized call that runs it."""
+    config = tiny_config(cls, base)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in cls.from_config(config).parameters())
+    if size > TINY_MAX_PARAMS:
+        raise ValueError(f"the shrinking rule leaves {size / 1e6:.0f} M parameters (widths it does not recognize): "
+                         "add a CONFIG_EXCEPTIONS line")
     torch.manual_seed(seed)
-    model = cls.from_config(tiny_config(cls, base)).eval()
+    model = cls.from_config(config).eval()
     _redraw_zeros(model)
     kwargs, expected = _first_call(model, seed)
     model.save_pretrained(workdir / "transformer")
