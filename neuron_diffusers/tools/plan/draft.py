@@ -137,7 +137,12 @@ def _miss_cell(r: dict) -> str:
     notes = "; ".join(n for n in (_hand_wins(r), notes) if n)
     if r.get("cp_miss") and not r.get("miss"):
         notes = f"CP: {r['cp_miss']}" + (f"; {notes}" if notes else "")
-    return notes.replace("|", "/")[:240]
+    return _cell_text(notes)[:240]
+
+
+def _cell_text(text: str) -> str:
+    """Error text safe in a table cell: no column breaks, no brackets read as links (DTensor placements)."""
+    return text.replace("|", "/").replace("[", "&#91;").replace("]", "&#93;")
 
 
 def coverage_markdown(rows: list[dict], meta: dict) -> str:
@@ -167,7 +172,7 @@ def coverage_markdown(rows: list[dict], meta: dict) -> str:
         degrees = ", ".join(map(str, r.get("degrees") or [])) or "-"
         lines.append(f"| {r['class']} | {r.get('rules', '-')} | {diff} | {degrees} | "
                      f"{_cell_weights(r.get('weights_tp8'))} | {_cell_weights(hand)} | {_cp_cell(r.get('cp'))} | "
-                     f"{_stock_cell(r).replace('|', '/')[:80]} | {_miss_cell(r)} |")
+                     f"{_cell_text(_stock_cell(r))[:80]} | {_miss_cell(r)} |")
     return "\n".join(lines) + "\n"
 
 
