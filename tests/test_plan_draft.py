@@ -7,9 +7,11 @@ import torch
 from diffusers.hooks.tensor_parallel import PackedRowwiseParallel
 
 from neuron_diffusers.cli import main
-from neuron_diffusers.drafting import draft_plan
-from neuron_diffusers.drafting.proof import verify_drafts
-from neuron_diffusers.drafting.tiny import tiny_config
+from neuron_diffusers.drafting import draft_plan, tiny
+from neuron_diffusers.drafting.context import draft_cp_plans, plan_text
+from neuron_diffusers.drafting.proof import verify_cp, verify_drafts
+from neuron_diffusers.drafting.tiny import tiny_case, tiny_config
+from neuron_diffusers.tools.plan import draft as draft_cli
 from neuron_diffusers.tools.plan.cases import build_case
 from neuron_diffusers.tools.plan.check import check_plan, load_plan
 from neuron_diffusers.tools.plan.meta import meta_transformer
@@ -81,12 +83,16 @@ def test_flux_draft_reads_the_roles_the_hand_plan_names():
     assert isinstance(packed, PackedRowwiseParallel) and [b // min(blocks) for b in blocks] == [1, 4]
 
 
-def test_norms_across_all_heads_are_named_not_guessed():
+def test_norms_across_all_heads_are_split_with_sharded_rms_norm():
     draft = draft_plan(_meta("WanTransformer3DModel"))
-    undecided = {note.module: note.reason for note in draft.undecided}
+    assert type(draft.plan["blocks.*.attn1.norm_q"]).__name__ == "ShardedRMSNorm"
+    assert draft.plan["blocks.*.attn1.to_q"] == "colwise" and draft.check_errors == []
+    # control: the fallback leaves those attentions whole and names why, not guessing
+    whole = draft_plan(_meta("WanTransformer3DModel"), shard_norms=False)
+    undecided = {note.module: note.reason for note in whole.undecided}
     assert "normalizes over 5120 features, not one head (128)" in undecided["blocks.*.attn1"]
-    assert not any(".attn1." in rule or ".attn2." in rule for rule in draft.plan)  # left whole, not guessed
-    assert draft.plan["blocks.*.ffn.net.2"] == "rowwise"  # the rest is still drafted
+    assert not any(".attn1." in rule or ".attn2." in rule for rule in whole.plan)
+    assert whole.plan["blocks.*.ffn.net.2"] == "rowwise"  # the rest is still drafted
 
 
 def test_blocks_that_differ_get_rules_per_block():
@@ -117,3 +123,65 @@ def test_cli_writes_a_plan_file_that_plan_check_accepts(tmp_path, capsys):
 def test_cli_refuses_a_model_and_all_together(capsys):
     assert main(["plan", "draft", "FluxTransformer2DModel", "--all"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def wan_cp(tmp_path_factory):
+    """Wan's tiny instance: its CP candidates, and the drafted CP plan and a wrong one at tp=2 x ulysses=2 in ONE
+    spawn of 4 CPU ranks."""
+    case = tiny_case(diffusers.WanTransformer3DModel, tmp_path_factory.mktemp("wan"))
+    model = diffusers.WanTransformer3DModel.from_pretrained(case.checkpoint, subfolder="transformer").eval()
+    drafted = draft_cp_plans(model, case.kwargs, case.args)
+    tp_plan = _tiny_draft(case).plan
+    # Wrong: the cross-attention text split too, where Wan's processor attends each query to the whole text.
+    entries = {"drafted": (case, tp_plan, drafted.candidates),
+               "text split": (case, tp_plan, {"text split": drafted.candidates["blocks, text split"]})}
+    return drafted, verify_cp(entries)
+
+
+def test_cp_draft_splits_flowing_inputs_once_and_shared_inputs_at_every_block(wan_cp):
+    drafted, _ = wan_cp
+    plan = plan_text(drafted.candidates["blocks, text whole"])
+    assert set(plan["blocks.0"]) == {"hidden_states"}  # flows from block to block: split once
+    assert set(plan["blocks.*"]) == {"rotary_emb"}  # the same tensor for every block: split at each
+    assert plan["proj_out"] == "ContextParallelOutput(gather_dim=1, expected_dims=3)"
+
+
+def test_the_drafted_cp_plan_matches_one_process_at_tp2_ulysses2(wan_cp):
+    result = wan_cp[1]["drafted"]
+    assert result["plan"] == "blocks, text whole", result
+    assert result["tried"][result["plan"]]["diff"] < DEFAULT_TOLERANCE
+
+
+def test_a_wrong_cp_plan_fails_verification(wan_cp):
+    result = wan_cp[1]["text split"]
+    assert result["plan"] is None and result["tried"]["text split"]["diff"] > 1000 * DEFAULT_TOLERANCE, result
+
+
+def test_cp_draft_names_why_when_attention_is_not_dispatched(tmp_path):
+    case = tiny_case(diffusers.PixArtTransformer2DModel, tmp_path)
+    model = diffusers.PixArtTransformer2DModel.from_pretrained(case.checkpoint, subfolder="transformer")
+    drafted = draft_cp_plans(model, case.kwargs, case.args)
+    assert drafted.candidates == {} and "no attention processor takes a parallel config" in drafted.reason
+
+
+def test_plan_draft_of_a_folder_verifies_the_folders_config(tmp_path, monkeypatch, capsys):
+    config = {**tiny_config(diffusers.FluxTransformer2DModel), "num_layers": 1, "guidance_embeds": True}
+    diffusers.FluxTransformer2DModel.from_config(config).save_pretrained(tmp_path / "transformer")
+    seen = []
+    monkeypatch.setattr(draft_cli, "_verify_one", lambda name, base: seen.append(base) or {"ok": True, "diff": 0.0})
+    assert main(["plan", "draft", str(tmp_path)]) == 0
+    shrunk = tiny_config(diffusers.FluxTransformer2DModel, seen[0])
+    assert (shrunk["num_layers"], shrunk["guidance_embeds"]) == (1, True)
+    # control: a class name verifies its default config (2 tiny blocks, no guidance embedding)
+    assert main(["plan", "draft", "FluxTransformer2DModel"]) == 0 and seen[1] is None
+    default = tiny_config(diffusers.FluxTransformer2DModel)
+    assert (default["num_layers"], default["guidance_embeds"]) == (2, False)
+
+
+def test_zero_initialized_weights_are_redrawn_so_the_tiny_output_varies(tmp_path, monkeypatch):
+    varied = tiny_case(diffusers.ErnieImageTransformer2DModel, tmp_path / "a")
+    assert varied.expected[0].std() > 0.01
+    monkeypatch.setattr(tiny, "_redraw_zeros", lambda model: None)  # control: as initialized, it is constant
+    constant = tiny_case(diffusers.ErnieImageTransformer2DModel, tmp_path / "b")
+    assert constant.expected[0].std() == 0

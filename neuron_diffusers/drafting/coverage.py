@@ -15,11 +15,14 @@ import diffusers
 import torch
 
 from .. import families
+from ..compat.plans import cp_plan_of
 from ..parallel.rules import collectives_per_forward
 from ..tools.plan.cases import build_case, verifiable_models
 from ..tools.plan.sharding import per_rank_params
+from ..tp_plans.styles import ShardedRMSNorm
+from .context import CpDraft, draft_cp_plans, plan_text
 from .draft import Draft, draft_plan
-from .proof import verify_drafts
+from .proof import verify_cp, verify_drafts
 from .tiny import full_size_config, tiny_case
 
 REPORT_TP = 8
@@ -74,16 +77,17 @@ def full_size_row(name: str) -> tuple[dict, Draft | None]:
     return row, draft
 
 
-def _case(name: str, workdir: Path):
-    if name in verifiable_models():
+def _case(name: str, workdir: Path, base: dict | None):
+    if base is None and name in verifiable_models():
         return build_case(name, workdir)
-    return tiny_case(getattr(diffusers, name), workdir)
+    return tiny_case(getattr(diffusers, name), workdir, base=base)
 
 
-def tiny_entry(name: str, workdir: Path) -> tuple[dict, tuple | None]:
-    """(what the tiny draft says, (case, plan) to verify) or a miss."""
+def tiny_entry(name: str, workdir: Path, base: dict | None = None) -> tuple[dict, tuple | None]:
+    """(what the tiny draft says, (case, plan) to verify) or a miss; `base`: a checkpoint's config to shrink
+    instead of the class's default."""
     try:
-        case = _case(name, workdir)
+        case = _case(name, workdir, base)
     except Exception as error:  # no runnable tiny call: a miss, with the reason
         return {"miss": f"tiny case: {type(error).__name__}: {error}"[:300]}, None
     from ..tools.plan.meta import meta_transformer
@@ -99,8 +103,9 @@ def tiny_entry(name: str, workdir: Path) -> tuple[dict, tuple | None]:
     return {"tiny_rules": len(draft.plan)}, (case, draft.plan)
 
 
-def coverage(names: list[str] | None = None, log=print) -> list[dict]:
-    """The table's rows: full-size draft, tiny draft verified at TP=2, reasons for misses."""
+def coverage(names: list[str] | None = None, log=print, context: bool = True) -> list[dict]:
+    """The table's rows: full-size draft, tiny draft verified at TP=2 and (`context`) its CP plan at tp=2 x
+    ulysses=2, reasons for misses."""
     names = names or transformer_classes()
     rows = {}
     with tempfile.TemporaryDirectory(prefix="plan-draft-") as workdir:
@@ -118,7 +123,59 @@ def coverage(names: list[str] | None = None, log=print) -> list[dict]:
         chunks = [list(pending)[i:i + CHUNK] for i in range(0, len(pending), CHUNK)]
         for chunk in chunks:
             _verify_chunk({name: pending[name] for name in chunk}, rows, log)
+        _verify_fallbacks(pending, rows, log)
+        if context:
+            _context_parallel(pending, rows, log)
     return [rows[name] for name in names]
+
+
+def _cp_entries(pending: dict, rows: dict) -> dict:
+    """For each TP-verified class: (case, TP plan, drafted CP candidates) and, where diffusers ships one, (case, TP
+    plan, {"stock": its `_cp_plan`}) under "<class> (stock)"; a class with no candidate gets its reason."""
+    entries = {}
+    for name, (case, tp_plan) in pending.items():
+        if not rows[name].get("verified", {}).get("ok"):
+            rows[name]["cp_miss"] = "TP=2 not verified, so tp=2 x ulysses=2 is not tried"
+            continue
+        cls = getattr(diffusers, name)
+        try:
+            model = cls.from_pretrained(case.checkpoint, subfolder="transformer").eval()
+            drafted = draft_cp_plans(model, case.kwargs, case.args)
+        except Exception as error:  # the traced call failed: a miss, with the reason
+            drafted = CpDraft(reason=f"trace: {type(error).__name__}: {error}"[:200])
+        if drafted.candidates:
+            entries[name] = (case, tp_plan, drafted.candidates)
+            rows[name]["cp_candidates"] = {label: plan_text(plan) for label, plan in drafted.candidates.items()}
+        else:
+            rows[name]["cp_miss"] = drafted.reason
+        if cp_plan_of(cls) is not None:
+            entries[f"{name} (stock)"] = (case, tp_plan, {"stock": cp_plan_of(cls)})
+    return entries
+
+
+def _context_parallel(pending: dict, rows: dict, log) -> None:
+    """Each TP-verified class's drafted CP plan (first candidate equal to one process) and the stock `_cp_plan`,
+    both composed with the drafted TP plan at tp=2 x ulysses=2."""
+    entries = _cp_entries(pending, rows)
+    for i in range(0, len(entries), CHUNK):
+        chunk = {label: entries[label] for label in list(entries)[i:i + CHUNK]}
+        try:
+            results = verify_cp(chunk)
+        except RuntimeError as error:  # a rank died or hung: the chunk's classes are misses, with the reason
+            results = {label: {"plan": None, "tried": {}, "error": f"ranks failed: {str(error)[:200]}"}
+                       for label in chunk}
+        for label, result in results.items():
+            name, stock = label.removesuffix(" (stock)"), label.endswith(" (stock)")
+            rows[name]["cp_stock" if stock else "cp"] = result
+            if not stock and result["plan"] is None:
+                rows[name]["cp_miss"] = result.get("error") or _cp_reason(result["tried"])
+            log(f"{label}: tp=2 x ulysses=2 {result['plan'] or 'no plan matches'}")
+
+
+def _cp_reason(tried: dict) -> str:
+    """Why no CP candidate matched: each candidate's difference or error."""
+    return "; ".join(f"{label}: " + (f"differs by {r['diff']:.1e}" if "diff" in r else r["error"])
+                     for label, r in tried.items())[:300]
 
 
 def _verify_chunk(entries: dict, rows: dict, log) -> None:
@@ -128,7 +185,32 @@ def _verify_chunk(entries: dict, rows: dict, log) -> None:
         results = {name: {"error": f"ranks failed: {str(error)[:200]}", "ok": False} for name in entries}
     for name, result in results.items():
         rows[name]["verified"] = result
-        if not result["ok"]:
+        if result["ok"]:
+            rows[name].pop("miss", None)
+        else:
             rows[name]["miss"] = (f"TP=2 differs from one process by {result['diff']:.2e}" if "diff" in result
                                   else f"TP=2 run failed: {result['error']}")[:300]
         log(f"{name}: {'verified' if result['ok'] else rows[name]['miss']}")
+
+
+def _verify_fallbacks(pending: dict, rows: dict, log) -> None:
+    """Where a draft with `ShardedRMSNorm` Q/K norms fails at TP=2 (a processor that also reads all heads at once,
+    e.g. rotary embeddings over the whole width), its fallback, those attentions left whole, is verified instead;
+    the first failure stays in the row (`sharded_norms_failed`)."""
+    from ..tools.plan.meta import meta_transformer
+
+    fallbacks = {}
+    for name, (case, plan) in pending.items():
+        if rows[name].get("verified", {}).get("ok") or not any(isinstance(s, ShardedRMSNorm) for s in plan.values()):
+            continue
+        draft = draft_plan(meta_transformer(str(case.checkpoint / "transformer")).module, shard_norms=False)
+        if draft.plan and not draft.check_errors and 2 in draft.degrees:
+            fallbacks[name] = (case, draft.plan)
+            rows[name]["sharded_norms_failed"] = rows[name].get("miss")
+    for i in range(0, len(fallbacks), CHUNK):
+        chunk = {name: fallbacks[name] for name in list(fallbacks)[i:i + CHUNK]}
+        _verify_chunk(chunk, rows, log)
+        for name in chunk:
+            if rows[name]["verified"]["ok"]:
+                pending[name] = fallbacks[name]
+                rows[name]["tiny_rules"] = len(fallbacks[name][1])

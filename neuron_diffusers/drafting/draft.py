@@ -58,7 +58,7 @@ def _star(path: str, modules: dict) -> tuple[str, str, int] | None:
 
 
 def _uniform(modules: dict, container: str, suffix: str, members: dict[int, object]) -> bool:
-    shapes = {tuple(modules[f"{container}.{i}.{suffix}"].weight.shape) for i in members}
+    shapes = {tuple(getattr(modules[f"{container}.{i}.{suffix}"].weight, "shape", ())) for i in members}
     return (len(members) == len(modules[container]) and len(shapes) == 1
             and len({_style_key(s) for s in members.values()}) == 1)
 
@@ -118,11 +118,12 @@ def _grouped(notes: list[Note]) -> list[Note]:
     return grouped
 
 
-def draft_plan(model: torch.nn.Module) -> Draft:
-    """Draft a plan for `model` (best built on the meta device) and lint it with `plan check`."""
+def draft_plan(model: torch.nn.Module, shard_norms: bool = True) -> Draft:
+    """Draft a plan for `model` (best built on the meta device) and lint it with `plan check`; `shard_norms=False`:
+    the fallback that leaves attention with a Q/K norm over all heads whole."""
     from ..tools.plan.check import check_plan  # the CLI tools' lint, imported when a draft is made
 
-    roles: Roles = read_roles(model)
+    roles: Roles = read_roles(model, shard_norms)
     plan = write_rules(model, roles.styles)
     notes = _grouped(roles.notes + _left_whole(model, roles.styles, roles.notes))
     draft = Draft(type(model).__name__, plan, notes,

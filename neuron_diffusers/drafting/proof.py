@@ -26,7 +26,8 @@ def _merge(label: str, per_rank: list[dict]) -> dict:
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         return {"error": errors[0]}
-    return {"diff": max(r["diff"] for r in results), "sharded": results[0]["sharded"]}
+    merged = {"diff": max(r["diff"] for r in results)}
+    return {**merged, "sharded": results[0]["sharded"]} if "sharded" in results[0] else merged
 
 
 def verify_drafts(entries: dict[str, tuple[Case, dict]], degree: int = DEGREE, *,
@@ -45,4 +46,68 @@ def verify_drafts(entries: dict[str, tuple[Case, dict]], degree: int = DEGREE, *
         results.update({label: _merge(label, per_rank) for label, _, _ in runnable})
     for result in results.values():
         result["ok"] = "diff" in result and result["diff"] <= DEFAULT_TOLERANCE
+    return results
+
+
+#: The composed layout CP plans are proven at: TP=2 inside, Ulysses=2 across, on 4 CPU ranks.
+CP_LAYOUT = {"tp": 2, "ulysses": 2}
+
+
+def _cp_run(case: Case, tp_plan: dict, cp_plan: dict, mesh, ulysses: int) -> dict:
+    """One (TP plan, CP plan) on this rank: loaded whole, split by diffusers' own `enable_parallelism(config=
+    ParallelConfig(CP + TP), cp_plan=...)`, run, compared with one process; a failure is its result."""
+    import diffusers
+    import torch
+    from diffusers import ContextParallelConfig, ParallelConfig, TensorParallelConfig
+
+    from ..compat.plans import using_plan
+    from ..tools.plan.cases import predictions
+    from ..tools.plan.verify import _max_abs_diff
+
+    cls = getattr(diffusers, case.model_class)
+    try:
+        model = cls.from_pretrained(case.checkpoint, subfolder="transformer").eval()
+        config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=ulysses, mesh=mesh),
+                                tensor_parallel_config=TensorParallelConfig(mesh=mesh["tp"]))
+        with using_plan(cls, tp_plan):
+            model.enable_parallelism(config=config, cp_plan=cp_plan)
+        with torch.no_grad():
+            return {"diff": _max_abs_diff(predictions(model(*case.args, **case.kwargs)), case.expected)}
+    except Exception as error:  # reported per plan, with its type
+        return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+
+
+def _cp_rank_jobs(entries: list[tuple[str, Case, dict, dict]], tp: int, ulysses: int) -> dict[str, dict]:
+    """On one spawned rank: each class's CP candidates in order until one matches one process on every rank (the
+    ranks agree through an all-reduce, so they stop together)."""
+    import torch
+
+    from ..distributed import init_distributed
+
+    torch.set_num_threads(1)
+    mesh = init_distributed(tp=tp, ulysses=ulysses)
+    results = {}
+    for name, case, tp_plan, candidates in entries:
+        results[name] = {}
+        for label, cp_plan in candidates.items():
+            result = results[name][label] = _cp_run(case, tp_plan, cp_plan, mesh, ulysses)
+            worst = torch.tensor([result.get("diff", float("inf"))])
+            torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
+            if worst.item() <= DEFAULT_TOLERANCE:
+                break
+    return results
+
+
+def verify_cp(entries: dict[str, tuple[Case, dict, dict]], *, timeout_s: float = 600.0) -> dict[str, dict]:
+    """For each class (case, TP plan, {label: CP plan}, best first): `{"plan": the first label equal to one process
+    at tp=2 x ulysses=2 within the tolerance, or None, "tried": {label: {"diff"} or {"error"}}}`, all in one spawn
+    of 4 CPU ranks."""
+    runnable = [(name, case, tp_plan, candidates) for name, (case, tp_plan, candidates) in entries.items()]
+    per_rank = run_on_cpu_ranks(_cp_rank_jobs, CP_LAYOUT["tp"] * CP_LAYOUT["ulysses"], runnable, CP_LAYOUT["tp"],
+                                CP_LAYOUT["ulysses"], timeout_s=timeout_s)
+    results = {}
+    for name in entries:
+        tried = {label: _merge(label, [rank[name] for rank in per_rank]) for label in per_rank[0][name]}
+        passing = [label for label, r in tried.items() if "diff" in r and r["diff"] <= DEFAULT_TOLERANCE]
+        results[name] = {"plan": passing[0] if passing else None, "tried": tried}
     return results

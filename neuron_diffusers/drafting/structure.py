@@ -22,13 +22,16 @@ from diffusers.hooks.tensor_parallel import PackedColwiseParallel, PackedRowwise
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import Attention
 
-from ..tp_plans.styles import GatheredColwiseParallel
+from ..parallel import sharded_norm
+from ..tp_plans.styles import GatheredColwiseParallel, ShardedRMSNorm
 
 ATTENTION_TYPES = (Attention, AttentionModuleMixin)
 #: Attention projections by the attribute diffusers' attention classes hold them in.
 COLWISE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 ROWWISE_PROJECTIONS = ("to_out", "to_add_out")
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+#: The projection each Q/K norm normalizes the output of.
+NORMED_PROJECTIONS = {"norm_q": "to_q", "norm_k": "to_k", "norm_added_q": "add_q_proj", "norm_added_k": "add_k_proj"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class Roles:
     heads: dict[str, int] = field(default_factory=dict)
     #: Widths of the residual streams (the attentions' input and output widths): modulation is k x one of them.
     widths: set[int] = field(default_factory=set)
+    #: Split Q/K norms over all heads (`ShardedRMSNorm`); False leaves such attentions whole (the fallback where a
+    #: processor also reads the whole width, e.g. rotary embeddings over all heads).
+    shard_norms: bool = True
     #: Attentions whose heads leave them split (no output projection): path -> their inner width.
     open_attentions: dict[str, int] = field(default_factory=dict)
 
@@ -80,7 +86,7 @@ def _head_dim(attn: torch.nn.Module, heads: int, query: torch.nn.Linear) -> int:
     return (inner if isinstance(inner, int) else query.out_features) // heads
 
 
-def _attention_refusal(attn: torch.nn.Module) -> str | None:
+def _attention_refusal(attn: torch.nn.Module, norms: bool = True) -> str | None:
     """Why an attention module cannot be split by heads with the loader's mechanics, or None if it can."""
     heads = getattr(attn, "heads", None)
     if not isinstance(heads, int):
@@ -98,9 +104,19 @@ def _attention_refusal(attn: torch.nn.Module) -> str | None:
     for name in QK_NORMS:
         norm = getattr(attn, name, None)
         width = _norm_width(norm) if isinstance(norm, torch.nn.Module) else None
-        if width is not None and width != head_dim:
-            return (f"'{name}' normalizes over {width} features, not one head ({head_dim}): it needs every "
-                    "rank's heads at once, so the heads cannot be split")
+        if width is not None and width != head_dim and (not norms or _all_heads_norm(attn, name) is None):
+            return (f"'{name}' normalizes over {width} features, not one head ({head_dim}) nor as an RMSNorm over "
+                    "its projection's whole output: it needs every rank's heads at once, so the heads cannot be split")
+    return None
+
+
+def _all_heads_norm(attn: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """The Q/K norm `name` when it is an RMSNorm over its projection's whole (all heads') output, which
+    `ShardedRMSNorm` splits like that colwise projection (one all-reduce of sums of squares), else None."""
+    norm, projection = getattr(attn, name, None), _linear(getattr(attn, NORMED_PROJECTIONS[name], None))
+    if isinstance(norm, torch.nn.Module) and projection is not None and sharded_norm.supports(norm) \
+            and _norm_width(norm) == projection.out_features:
+        return norm
     return None
 
 
@@ -123,7 +139,7 @@ def _read_attention(path: str, attn: torch.nn.Module, roles: Roles) -> None:
         roles.styles.update(fused)
         roles.heads[path] = attn.heads
         return
-    refusal = _attention_refusal(attn)
+    refusal = _attention_refusal(attn, roles.shard_norms)
     if refusal is not None:
         roles.notes.append(Note(path, refusal, decided=False))
         return
@@ -138,6 +154,10 @@ def _read_attention(path: str, attn: torch.nn.Module, roles: Roles) -> None:
     for name in COLWISE_PROJECTIONS:
         if _linear(getattr(attn, name, None)) is not None:
             roles.styles[prefix + name] = "colwise"
+    for name in QK_NORMS:
+        norm = getattr(attn, name, None)
+        if isinstance(norm, torch.nn.Module) and _norm_width(norm) != head_dim and _all_heads_norm(attn, name):
+            roles.styles[prefix + name] = ShardedRMSNorm()
     closed = False
     for name in ROWWISE_PROJECTIONS:
         out = getattr(attn, name, None)
@@ -267,9 +287,10 @@ def _hidden_norm(module: torch.nn.Module, linears) -> str | None:
     return None
 
 
-def read_roles(model: torch.nn.Module) -> Roles:
-    """Every Linear's role in `model` (see the module docstring for the order and why)."""
-    roles = Roles()
+def read_roles(model: torch.nn.Module, shard_norms: bool = True) -> Roles:
+    """Every Linear's role in `model` (see the module docstring for the order and why); `shard_norms=False` leaves
+    attention whose Q/K norm spans all heads whole."""
+    roles = Roles(shard_norms=shard_norms)
     read_attentions(model, roles)
     read_packed(model, roles)
     read_mlps(model, roles)  # before modulation: an MLP's up projection is k x the width too

@@ -21,6 +21,8 @@ import torch
 from ..tools.plan.cases import Case, predictions
 
 TINY_HEADS, TINY_HEAD_DIM, TINY_BLOCKS, BATCH, TEXT_LEN = 4, 16, 2, 2, 16
+#: A tiny instance larger than this is refused before it is built (a config the rule could not shrink).
+TINY_MAX_PARAMS = 50_000_000
 _BLOCKS = re.compile(r"^(num_)?(\w+_)?(layers|blocks|depth)$")
 _HEADS = re.compile(r"^(num_)?(\w+_)?heads$")
 _HEAD_DIM = re.compile(r"^(\w+_)?head_dim$")
@@ -53,6 +55,8 @@ CONFIG_EXCEPTIONS: dict[str, dict] = {
     "WanVACETransformer3DModel": {"vace_layers": [0]},  # must name blocks the tiny model has
     "PixArtTransformer2DModel": {"attention_head_dim": 24},  # its size conditioning splits the width in 3 parts
     "Transformer2DModel": {"in_channels": 32},  # its GroupNorm has 32 groups
+    "AceStepTransformer1DModel": {"in_channels": 192},  # acoustic (64) + context (128) latents, not a width
+    "Ideogram4Transformer2DModel": {"mrope_section": (4, 2, 2)},  # rotary sections summing to half the tiny head
 }
 #: Per-class forward inputs the rule cannot derive: class -> {parameter: value, or a function of the generator}.
 INPUT_EXCEPTIONS: dict[str, dict] = {
@@ -66,6 +70,27 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
                                  "cap_feats": lambda g: [torch.randn(TEXT_LEN, 48, generator=g) for _ in range(BATCH)]},
     "NucleusMoEImageTransformer2DModel": {"img_shapes": [[(1, 4, 4)]] * BATCH},  # 16 packed tokens, 4 x 4
     "CosmosTransformer3DModel": {"padding_mask": lambda g: torch.zeros(1, 1, 8, 8)},
+    # text states [B, T, text_in_dim] and each prompt's length
+    "ErnieImageTransformer2DModel": {"text_bth": lambda g: torch.randn(BATCH, TEXT_LEN, 96, generator=g),
+                                     "text_lens": torch.tensor([TEXT_LEN, TEXT_LEN - 4])},
+    # one image embedding per sample [B, embedding_dim], its projection, and CLIP text tokens
+    "PriorTransformer": {"hidden_states": lambda g: torch.randn(BATCH, 48, generator=g),
+                         "proj_embedding": lambda g: torch.randn(BATCH, 48, generator=g),
+                         "encoder_hidden_states": lambda g: torch.randn(BATCH, 77, 48, generator=g)},
+    # one packed sequence: 8 text tokens (indicator 3) then 8 image tokens (indicator 2), one segment, 3-axis positions
+    "Ideogram4Transformer2DModel": {
+        "encoder_hidden_states": lambda g: torch.randn(BATCH, 16, 768, generator=g),
+        "position_ids": torch.stack([torch.arange(16) // 8, torch.arange(16) % 4, torch.arange(16) // 4], -1)
+        .expand(BATCH, 16, 3),
+        "segment_ids": torch.zeros(BATCH, 16, dtype=torch.long),
+        "indicator": torch.tensor([3] * 8 + [2] * 8).expand(BATCH, 16)},
+    # 16 prior (VQ) tokens, one per 2 x 2 patch of the 8 x 8 latents, none dropped
+    "GlmImageTransformer2DModel": {"prior_token_id": lambda g: torch.randint(0, 432, (BATCH, 16), generator=g),
+                                   "prior_token_drop": torch.zeros(BATCH, dtype=torch.bool)},
+    # acoustic latents [B, L, 64] and the context latents concatenated to them (192 input channels in all)
+    "AceStepTransformer1DModel": {"hidden_states": lambda g: torch.randn(BATCH, 16, 64, generator=g),
+                                  "context_latents": lambda g: torch.randn(BATCH, 16, 128, generator=g),
+                                  "encoder_hidden_states": lambda g: torch.randn(BATCH, TEXT_LEN, 64, generator=g)},
 }
 #: Inputs passed even when the call is retried without the optional conditioning.
 CORE_INPUTS = ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids")
@@ -122,9 +147,9 @@ def full_size_config(cls) -> dict:
     return {**_default_config(cls), **DEFAULT_CONFIG_GAPS.get(cls.__name__, {})}
 
 
-def tiny_config(cls) -> dict:
-    """`cls`'s default config shrunk by the rule, then its exceptions applied."""
-    config = full_size_config(cls)
+def tiny_config(cls, base: dict | None = None) -> dict:
+    """`cls`'s default config (or `base`, a checkpoint's config) shrunk by the rule, then its exceptions applied."""
+    config = full_size_config(cls) if base is None else {k: v for k, v in base.items() if not k.startswith("_")}
     heads, head_dim = _heads(config)
     tiny = {key: _shrunk_value(key, value, heads, head_dim) for key, value in config.items()}
     return {**tiny, **CONFIG_EXCEPTIONS.get(cls.__name__, {})}
@@ -262,10 +287,27 @@ def _first_call(model: torch.nn.Module, seed: int) -> tuple[dict, tuple]:
     raise ValueError("no synthesized forward call runs the tiny model (" + "; ".join(errors) + ")")
 
 
-def tiny_case(cls, workdir: Path, seed: int = 0) -> Case:
-    """A tiny random `cls` saved under `workdir/transformer`, and the first synthesized call that runs it."""
+def _redraw_zeros(model: torch.nn.Module) -> None:
+    """Zero-initialized parameters (output projections, gates) drawn at random instead: a model whose output is
+    constant matches any plan, so it would prove nothing."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and param.numel() and not param.count_nonzero():
+                param.normal_(std=0.02)
+
+
+def tiny_case(cls, workdir: Path, seed: int = 0, base: dict | None = None) -> Case:
+    """A tiny random `cls` (its default config, or `base` shrunk) saved under `workdir/transformer`, and the first
+    synthesized call that runs it."""
+    config = tiny_config(cls, base)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in cls.from_config(config).parameters())
+    if size > TINY_MAX_PARAMS:
+        raise ValueError(f"the shrinking rule leaves {size / 1e6:.0f} M parameters (widths it does not recognize): "
+                         "add a CONFIG_EXCEPTIONS line")
     torch.manual_seed(seed)
-    model = cls.from_config(tiny_config(cls)).eval()
+    model = cls.from_config(config).eval()
+    _redraw_zeros(model)
     kwargs, expected = _first_call(model, seed)
     model.save_pretrained(workdir / "transformer")
     return Case(cls.__name__, workdir, (), kwargs, expected)

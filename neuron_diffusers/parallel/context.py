@@ -237,10 +237,16 @@ class SplitCheck:
     def inputs_hook(self, module, args, kwargs):
         names = self.names[type(module)]
         for name, spec in self.inputs.items():
-            if isinstance(name, int) or spec.split_output:
+            if isinstance(name, int) or getattr(spec, "split_output", False):
                 continue
             index = names.index(name) if name in names else len(args)
-            self._check(f"input '{name}'", kwargs.get(name, args[index] if index < len(args) else None), spec)
+            value = kwargs.get(name, args[index] if index < len(args) else None)
+            if isinstance(spec, (list, tuple)):  # a tuple input (rotary cos, sin): one spec per part, as diffusers
+                for part, (tensor, part_spec) in enumerate(zip(value or (), spec, strict=False)):
+                    if not part_spec.split_output:
+                        self._check(f"input '{name}'[{part}]", tensor, part_spec)
+            else:
+                self._check(f"input '{name}'", value, spec)
 
     def check_outputs(self, output) -> None:
         outputs = output if isinstance(output, (tuple, list)) else (output,)

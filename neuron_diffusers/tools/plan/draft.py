@@ -35,8 +35,9 @@ def plan_file(draft: Draft, source: str) -> str:
     packed = sorted(s for s in styles if s.startswith("Packed"))
     if packed:
         lines.append(f"from diffusers.hooks.tensor_parallel import {', '.join(packed)}")
-    if "GatheredColwiseParallel" in styles:
-        lines.append("from neuron_diffusers.tp_plans.styles import GatheredColwiseParallel")
+    ours = sorted(styles & {"GatheredColwiseParallel", "ShardedRMSNorm"})
+    if ours:
+        lines.append(f"from neuron_diffusers.tp_plans.styles import {', '.join(ours)}")
     lines += ["", f'MODEL_CLASS = "{draft.model_class}"', "", "# Left whole (module: reason):"]
     lines += [f"# - {note.module}: {note.reason}{'' if note.decided else ' [undecided]'}" for note in draft.notes]
     lines.append("PLAN = {")
@@ -51,9 +52,10 @@ def draft_json(draft: Draft, verified: dict | None) -> dict:
             "left_whole": [asdict(note) for note in draft.notes], "verified_tp2": verified}
 
 
-def _verify_one(model_class: str) -> dict:
+def _verify_one(model_class: str, base: dict | None) -> dict:
+    """The TP=2 proof on a tiny instance: of the class's default config, or of `base` (a folder's config) shrunk."""
     with tempfile.TemporaryDirectory(prefix="plan-draft-") as workdir:
-        tiny, entry = tiny_entry(model_class, Path(workdir))
+        tiny, entry = tiny_entry(model_class, Path(workdir), base)
         if entry is None:
             return {"ok": False, "error": tiny["miss"]}
         return verify_drafts({model_class: entry})[model_class]
@@ -62,7 +64,8 @@ def _verify_one(model_class: str) -> dict:
 def _draft_one(args) -> int:
     meta = meta_transformer(args.model)
     draft = draft_plan(meta.module)
-    verified = None if args.no_verify or draft.check_errors or not draft.plan else _verify_one(draft.model_class)
+    base = dict(meta.module.config) if meta.config == "checkpoint" else None
+    verified = None if args.no_verify or draft.check_errors or not draft.plan else _verify_one(draft.model_class, base)
     if args.out:
         Path(args.out).write_text(plan_file(draft, args.model))
     if args.json:
@@ -95,28 +98,81 @@ def _cell_weights(weights: dict | None) -> str:
     return f"{weights['ratio']:.3f} x ({counts.get('all_reduce', 0)} AR + {counts.get('all_gather', 0)} AG)"
 
 
+def _cp_cell(result: dict | None) -> str:
+    """The CP plan that matched at tp=2 x ulysses=2 (its difference and candidate), or '-'."""
+    if not result or result.get("plan") is None:
+        return "-"
+    return f"{result['tried'][result['plan']]['diff']:.1e} ok ({result['plan']})"
+
+
+def _stock_cell(row: dict) -> str:
+    stock = row.get("cp_stock")
+    if stock is None:
+        return "-"
+    tried = stock["tried"].get("stock", {})
+    if stock["plan"]:
+        return f"composes ({tried['diff']:.1e})"
+    return "fails: " + (f"differs by {tried['diff']:.1e}" if "diff" in tried else tried.get("error",
+                                                                                         stock.get("error", "")))
+
+
+def _hand_wins(r: dict) -> str:
+    """Where the hand plan beats the draft: collectives per forward (and per-rank weights) at TP=8."""
+    draft, hand = r.get("weights_tp8"), (r.get("hand_plan") or {}).get("weights_tp8")
+    if not draft or not hand:
+        return ""
+    count = lambda w: sum((w.get("collectives") or {}).values())  # noqa: E731
+    fewer, lighter = count(draft) - count(hand), draft["ratio"] - hand["ratio"]
+    wins = [f"{fewer} fewer collectives" if fewer > 0 else "", f"{lighter:.3f} x less weight" if lighter > 5e-4 else ""]
+    wins = [w for w in wins if w]
+    return f"hand plan wins ({', '.join(wins)} per forward at TP=8): it stays the default" if wins else \
+        "the draft is as lean as the hand plan"
+
+
+def _miss_cell(r: dict) -> str:
+    notes = r.get("miss") or "; ".join(f"{n['module']}: {n['reason']}" for n in r.get("undecided", [])[:2])
+    if r.get("sharded_norms_failed") and not r.get("miss"):
+        notes = ("verified with attentions whose Q/K norm spans all heads left whole (ShardedRMSNorm draft: "
+                 f"{r['sharded_norms_failed']})")
+    notes = "; ".join(n for n in (_hand_wins(r), notes) if n)
+    if r.get("cp_miss") and not r.get("miss"):
+        notes = f"CP: {r['cp_miss']}" + (f"; {notes}" if notes else "")
+    return _cell_text(notes)[:240]
+
+
+def _cell_text(text: str) -> str:
+    """Error text safe in a table cell: no column breaks, no brackets read as links (DTensor placements)."""
+    return text.replace("|", "/").replace("[", "&#91;").replace("]", "&#93;")
+
+
 def coverage_markdown(rows: list[dict], meta: dict) -> str:
     drafted = sum("rules" in r and not r.get("check_errors") for r in rows)
     verified = sum(bool(r.get("verified", {}).get("ok")) for r in rows)
-    lines = ["# Tensor-parallel coverage: drafted plans for every diffusers transformer", "",
+    cp_verified = sum(_cp_cell(r.get("cp")) != "-" for r in rows)
+    stock = [r for r in rows if "cp_stock" in r]
+    lines = ["# Tensor- and context-parallel coverage: drafted plans for every diffusers transformer", "",
              f"Generated by `{meta['command']}` on {meta['date']} ({meta['machine']}; neuron_diffusers "
              f"{meta['neuron_diffusers']}, diffusers {meta['diffusers']}). Do not edit by hand.", "",
              f"{len(rows)} classes; {drafted} drafted with a clean `plan check` at full size; **{verified} verified** "
-             "(tiny instance, TP=2 equal to one process within 1e-5, float32, CPU ranks). TP=8: per-rank "
-             "parameters of the full-size default config against total / 8 (1.000 x is ideal), and all-reduces (AR) "
-             "+ all-gathers (AG) per forward. Where a family has a hand plan it stays the default: it hoists the "
-             "modulation into one all-gather and reduces dual-stream pairs together.", "",
-             "| class | rules | TP=2 max diff | degrees | TP=8 draft | TP=8 hand plan | miss / undecided |",
-             "|---|---|---|---|---|---|---|"]
+             "(tiny instance, TP=2 equal to one process within 1e-5, float32, CPU ranks); "
+             f"**{cp_verified} verified at tp=2 x ulysses=2** (the drafted TP plan composed with a drafted CP plan, "
+             "4 CPU ranks, equal to one process within 1e-5); the stock `_cp_plan` composes with the drafted TP plan "
+             f"for {sum(bool(r['cp_stock']['plan']) for r in stock)} of the {len(stock)} verified classes that ship "
+             "one. TP=8: per-rank parameters of the full-size default config against total / 8 (1.000 x is ideal), "
+             "and all-reduces (AR) + all-gathers (AG) per forward. Where a family has a hand plan it stays the "
+             "default: it hoists the modulation into one all-gather and reduces dual-stream pairs together (fewer "
+             "collectives in the hand plan column).", "",
+             "| class | rules | TP=2 max diff | degrees | TP=8 draft | TP=8 hand plan | tp=2 x ulysses=2 | "
+             "stock `_cp_plan` | miss / undecided |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         result = r.get("verified", {})
         diff = f"{result['diff']:.1e}" + (" ok" if result.get("ok") else "") if "diff" in result else "-"
         hand = r.get("hand_plan", {}).get("weights_tp8")
-        notes = r.get("miss") or "; ".join(f"{n['module']}: {n['reason']}" for n in r.get("undecided", [])[:2])
         degrees = ", ".join(map(str, r.get("degrees") or [])) or "-"
         lines.append(f"| {r['class']} | {r.get('rules', '-')} | {diff} | {degrees} | "
-                     f"{_cell_weights(r.get('weights_tp8'))} | {_cell_weights(hand)} | "
-                     f"{notes.replace('|', '/')[:240]} |")
+                     f"{_cell_weights(r.get('weights_tp8'))} | {_cell_weights(hand)} | {_cp_cell(r.get('cp'))} | "
+                     f"{_cell_text(_stock_cell(r))[:80]} | {_miss_cell(r)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,201 @@
+"""Context-parallel plans drafted from one traced forward of a tiny instance, in diffusers' `_cp_plan` format.
+
+Where the sequence enters the block lists is where it is split, and where the blocks' output leaves through the
+last top-level module that returns the token sequence (`proj_out`) is where it is gathered. One forward in one
+process shows both: the inputs of each block list's first two blocks, and the top-level modules called after them.
+An input that every block of a list receives as the same tensor (rotary embeddings, cross-attention text) is split
+at every block (`blocks.*`), so each block gets the matching slice; an input that flows from block to block (the
+hidden states) is split once, at the first block of the first list. Which sequence inputs to split is not always
+readable from the structure (cross-attention text may stay whole; joint attention must split it), so the drafter
+writes the few candidates the trace allows and the numbers choose (`proof.verify_cp`): the first that equals one
+process at tp=2 x ulysses=2 is the draft.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..compat.privates import ContextParallelInput, ContextParallelOutput
+
+#: Parameter names that carry the text sequence (cross- or joint-attention states, their masks and positions).
+_TEXT = re.compile(r"encoder|text|txt|context|caption|cap_|prompt")
+
+
+@dataclass
+class BlockCall:
+    """What one block received: its parameters by name."""
+
+    path: str
+    inputs: dict
+
+
+@dataclass
+class Trace:
+    """One forward's view of where the sequence flows: block lists in call order, their first two blocks' inputs,
+    the top-level modules called after the blocks and what they returned."""
+
+    lists: list[str] = field(default_factory=list)
+    calls: dict = field(default_factory=dict)  # (list, index) -> BlockCall
+    after_blocks: list[tuple[str, object]] = field(default_factory=list)
+
+
+def _block_lists(model: torch.nn.Module) -> list[str]:
+    """Top-level ModuleLists whose blocks hold attention (a module with a `processor`)."""
+    return [name for name, child in model.named_children() if isinstance(child, torch.nn.ModuleList) and len(child)
+            and any(hasattr(m, "processor") for m in child[0].modules())]
+
+
+def trace(model: torch.nn.Module, kwargs: dict, args: tuple = ()) -> Trace:
+    """Run `model(*args, **kwargs)` once, recording block inputs and the modules after the blocks."""
+    result, handles = Trace(), []
+    lists = _block_lists(model)
+
+    def block_hook(name, index):
+        def hook(module, a, kw):
+            if name not in result.lists:
+                result.lists.append(name)
+            bound = inspect.signature(module.forward).bind_partial(*a, **kw).arguments
+            result.calls.setdefault((name, index), BlockCall(f"{name}.{index}", dict(bound)))
+            result.after_blocks.clear()  # only what is called after the last block counts
+        return hook
+
+    def child_hook(name):
+        def hook(module, a, output):
+            result.after_blocks.append((name, output))
+        return hook
+
+    for name in lists:
+        for index, block in enumerate(getattr(model, name)[:2]):
+            handles.append(block.register_forward_pre_hook(block_hook(name, index), with_kwargs=True))
+    for name, child in model.named_children():
+        if name not in lists:
+            handles.append(child.register_forward_hook(child_hook(name)))
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return result
+
+
+def _seq_dim(tensor: torch.Tensor, lengths: set[int]) -> int | None:
+    """The first dim after the batch dim (or dim 0 of a 2-D table) whose size is a sequence length."""
+    start = 1 if tensor.dim() >= 3 or (tensor.dim() == 2 and tensor.shape[0] not in lengths) else 0
+    return next((d for d in range(start, tensor.dim()) if tensor.shape[d] in lengths), None)
+
+
+def _split_entry(value, lengths: set[int]):
+    """A `ContextParallelInput` (or a list of them, for a tuple) for a value with a sequence dim, else None."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2:
+        dim = _seq_dim(value, lengths)
+        return None if dim is None else ContextParallelInput(split_dim=dim, expected_dims=value.dim())
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        entries = [_split_entry(v, lengths) for v in value]
+        return entries if all(entries) else None
+    return None
+
+
+def _lengths(trace_: Trace, with_text: bool) -> set[int]:
+    first = trace_.calls[trace_.lists[0], 0].inputs
+    hidden = first.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        hidden = next(v for v in first.values() if isinstance(v, torch.Tensor) and v.dim() == 3)
+    lengths = {hidden.shape[1]}
+    text = next((v for k, v in first.items() if _TEXT.search(k) and isinstance(v, torch.Tensor) and v.dim() == 3),
+                None)
+    if text is not None and with_text:
+        lengths |= {text.shape[1], text.shape[1] + hidden.shape[1]}
+    return lengths
+
+
+def _list_rules(trace_: Trace, name: str, lengths: set[int], with_text: bool, full: set[int]) -> dict:
+    """Split rules for one block list: shared inputs at `name.*`, the flowing ones (first list only) at `name.0`."""
+    first = trace_.calls[name, 0].inputs
+    second = trace_.calls.get((name, 1))
+    rules: dict[str, dict] = {}
+    for param, value in first.items():
+        if not with_text and _TEXT.search(param):
+            continue
+        entry = _split_entry(value, lengths)
+        if entry is None:
+            continue
+        shared = second is not None and second.inputs.get(param) is value
+        if shared:
+            rules.setdefault(f"{name}.*", {})[param] = entry
+        elif name == trace_.lists[0] or id(value) in full:
+            rules.setdefault(f"{name}.0", {})[param] = entry
+        else:
+            continue
+        full.add(id(value))
+    return rules
+
+
+def _output_rule(trace_: Trace) -> dict | None:
+    """Gather at the last top-level module after the blocks that returns `[batch, tokens, features]`."""
+    hidden = next(v for v in trace_.calls[trace_.lists[0], 0].inputs.values()
+                  if isinstance(v, torch.Tensor) and v.dim() == 3)
+    for name, output in reversed(trace_.after_blocks):
+        if isinstance(output, torch.Tensor) and output.dim() == 3 and output.shape[1] == hidden.shape[1]:
+            return {name: ContextParallelOutput(gather_dim=1, expected_dims=3)}
+    return None
+
+
+@dataclass
+class CpDraft:
+    """Candidate CP plans (label -> plan), best first, or the reason there are none."""
+
+    candidates: dict = field(default_factory=dict)
+    reason: str | None = None
+
+
+def draft_cp_plans(model: torch.nn.Module, kwargs: dict, args: tuple = ()) -> CpDraft:
+    """The candidate CP plans for `model` from one traced call (see the module docstring), or why none."""
+    if not any(hasattr(getattr(m, "processor", None), "_parallel_config") for m in model.modules()):
+        return CpDraft(reason="no attention processor takes a parallel config (its attention does not go through "
+                              "diffusers' dispatch), so diffusers cannot split its sequence")
+    trace_ = trace(model, kwargs, args)
+    if not trace_.lists:
+        return CpDraft(reason="no top-level block list with attention ran: nowhere to split the sequence")
+    if not any(isinstance(v, torch.Tensor) and v.dim() == 3 for v in trace_.calls[trace_.lists[0], 0].inputs.values()):
+        return CpDraft(reason=f"{trace_.lists[0]}.0 receives no [batch, tokens, features] tensor to split")
+    output = _output_rule(trace_)
+    if output is None:
+        return CpDraft(reason="no top-level module after the blocks returns the token sequence: nowhere to gather it")
+    draft = CpDraft()
+    for label, with_text in (("blocks, text split", True), ("blocks, text whole", False)):
+        lengths, full, plan = _lengths(trace_, with_text), set(), {}
+        for name in trace_.lists:
+            plan.update(_list_rules(trace_, name, lengths, with_text, full))
+        _add(draft, label, plan, output)
+    _add(draft, "forward inputs", _entry_rules(model, trace_, kwargs), output)
+    return draft
+
+
+def _add(draft: CpDraft, label: str, plan: dict, output: dict) -> None:
+    known = [plan_text(p) for p in draft.candidates.values()]
+    if plan and plan_text({**plan, **output}) not in known:
+        draft.candidates[label] = {**plan, **output}
+
+
+def _entry_rules(model: torch.nn.Module, trace_: Trace, kwargs: dict) -> dict:
+    """Split the forward's own sequence inputs (packed tokens, text, position ids), where the model takes tokens
+    `[batch, tokens, channels]` rather than a latent grid (a grid cannot be cut into token slices before patching)."""
+    hidden = kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        return {}
+    lengths = _lengths(trace_, True) | {hidden.shape[1]}
+    entries = {name: entry for name, value in kwargs.items()
+               if name in inspect.signature(model.forward).parameters
+               and (entry := _split_entry(value, lengths)) is not None}
+    return {"": entries} if entries else {}
+
+
+def plan_text(plan: dict) -> dict:
+    """A CP plan as JSON-able text (`repr` of each entry)."""
+    return {module: ({str(k): repr(v) for k, v in entry.items()} if isinstance(entry, dict) else repr(entry))
+            for module, entry in plan.items()}
