@@ -23,8 +23,9 @@ def _as_arrays(output):
 
 
 def float_call(family: str, call: dict) -> dict:
-    """`call` asking for the float image, before the 8-bit rounding (MiniMax-H3's clip is float already)."""
-    return dict(call) if family == "h3" else {**call, "output_type": "np"}
+    """`call` asking for the float image, before the 8-bit rounding (MiniMax-H3's and Wan's clips are float
+    already)."""
+    return dict(call) if family in ("h3", "wan") else {**call, "output_type": "np"}
 
 
 def _loaded_models():
