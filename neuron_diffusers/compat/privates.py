@@ -69,6 +69,7 @@ _ELSEWHERE = (
     (tensor_parallel, "PackedColwiseParallel"),  # tp_plans/*.py, parallel/rules.py
     (tensor_parallel, "PackedRowwiseParallel"),
     (torch._C, "_get_accelerator"),  # `tp_loading`: the device stock builds a mesh on
+    (torch.distributed.distributed_c10d, "_get_default_store"),  # distributed.default_store: the group's store
     (torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),  # `collectives`: ring's log-sum-exp on CPU
     (torch._dynamo.utils, "counters"),  # compile.py: recompiles and graph breaks
     (torch._dynamo.utils, "compilation_time_metrics"),
