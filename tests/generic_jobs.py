@@ -11,7 +11,7 @@ def generic_checks(checkpoints: dict, calls: dict) -> dict:
     (seed 0), whether this rank holds a text encoder, whether its transformer is sharded, and the decoded output."""
     import gc
 
-    import rank_jobs
+    import runner_jobs
     import torch
     from rank_cases import CaseError, record
     from torch.distributed.tensor import DTensor
@@ -31,7 +31,7 @@ def generic_checks(checkpoints: dict, calls: dict) -> dict:
                           **calls[name])
             report[f"{name}/{label}"] = made if made is None or not isinstance(made, list) else made[0].cpu()
         record(report, f"{name}/decoded", pipe.generate, PROMPT, seed=0, **calls[name])
-        record(report, f"{name}/divergence", rank_jobs._divergence, pipe, {**calls[name], "output_type": "latent"})
+        record(report, f"{name}/divergence", runner_jobs._divergence, pipe, {**calls[name], "output_type": "latent"})
         record(report, f"{name}/refused", _refusals, pipe, calls[name])
         transformer = pipe.adapter.transformer_of(pipe.pipe)
         report[f"{name}/roles"] = {

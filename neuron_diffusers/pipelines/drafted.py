@@ -23,7 +23,10 @@ def drafted_family(pipeline_class: type, transformer_folder) -> DraftedFamily:
         raise ValueError(f"{name} takes no `callback_on_step_end`, which the check that every rank holds the same "
                          "latents runs in: it cannot run on several ranks here.")
     meta = meta_transformer(str(transformer_folder)).module
-    draft = draft_plan(meta)
+    # Q/K norms over all heads left whole: splitting them (`ShardedRMSNorm`) is exact only where the processor does
+    # not also read the whole width (rotary embeddings over all heads: LTX-Video), which only a TP=2 run tells
+    # (`plan draft --all` runs it); at load no run is made, so the draft takes the variant that holds for every class.
+    draft = draft_plan(meta, shard_norms=False)
     if not draft.plan or draft.check_errors:
         why = draft.check_errors[:2] or [f"{n.module}: {n.reason}" for n in draft.undecided[:2]] or [
             "no Linear has a role the drafter knows"]
