@@ -19,8 +19,8 @@ def test_runtime_counts_match_the_static_plan_report(measured, family):
     assert ("lean" in plans) == (family == "qwenimage21")
     for plan in plans:
         figures = measured["families"][family][plan]
-        if figures is None:  # no stock plan (MiniMax-H3)
-            assert plan == "stock" and family == "h3"
+        if figures is None:  # no stock plan (MiniMax-H3, Wan: diffusers ships none)
+            assert plan == "stock" and family in ("h3", "wan")
             continue
         static = plan_report.plan_report(checkpoint, 2, plan)
         assert figures["calls"].get("all_reduce", 0) == static["all_reduces_per_forward"], plan
