@@ -348,7 +348,7 @@ def test_cp_job_gives_the_stock_output(runner_report, stock, family, tmp_path):
     assert all(result["outputs"] is None for result in results[1:])
     job = results[0]["outputs"]
     assert job["summary"]["mesh"] == {"dims": ["dp", "cfg", "tp", "ring", "ulysses"], "shape": [1, 1, 2, 1, 2],
-                                      "world_size": 4}
+                                      "world_size": 4, "nodes": 1}
     reference, control = stock(family), stock(family, CONTROL_PROMPT)
     latents = results[0]["latents"][0]
     assert len(latents) == len(reference["latents"])
