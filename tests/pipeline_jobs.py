@@ -21,7 +21,8 @@ def _recording_outputs(transformer, seen: list):
 
 def _bucket_case(pipes: dict, call: dict, prompt: str, use_kv_cache: bool) -> dict:
     """One prompt through the bucketed and the unpadded pipeline: the text lengths each transformer saw, the largest
-    difference of its outputs (target rows, this rank's forwards), and on the leader the mean image difference."""
+    difference of its outputs (target rows, this rank's forwards), and on the leader the float image (before 8-bit
+    rounding) and its largest difference from the unpadded one."""
     import numpy as np
 
     seen, images = {}, {}
@@ -38,7 +39,8 @@ def _bucket_case(pipes: dict, call: dict, prompt: str, use_kv_cache: bool) -> di
         "text_lengths": {label: sorted({length for length, _ in rows}) for label, rows in seen.items()},
         "output_diff": max((a - b).abs().max().item() for (_, a), (_, b) in pairs),
         "image_diff": None if images["bucketed"] is None else float(np.abs(
-            images["bucketed"][0].astype(np.float64) - images["unpadded"][0]).mean()),
+            images["bucketed"][0].astype(np.float64) - images["unpadded"][0]).max()),
+        "image": None if images["bucketed"] is None else images["bucketed"][0],
         "modes": {label: pipe.cp_mode and tuple(pipe.cp_mode) for label, pipe in pipes.items()},
     }
 
