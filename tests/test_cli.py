@@ -7,15 +7,13 @@ same arguments, are compared at the latents with stock (`runner_jobs.job_latents
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
-import psutil
 import pytest
 import runner_jobs
+from killing import kill_rank_1_after_first_image
 from PIL import Image
 from test_runner import LATENT_TOLERANCE, OTHER_PROMPT, max_diff, png_difference, png_matches, stock_latents
 
@@ -173,9 +171,6 @@ def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path, job_latents, stock_flu
     assert "wrote 1 of 1" in result.stdout
 
 
-def _worker_pids(launcher: psutil.Process) -> list[int]:
-    return [p.pid for p in launcher.children(recursive=True) if "neuron_diffusers" in " ".join(p.cmdline())]
-
 
 def test_killed_rank_fails_cleanly_and_a_rerun_completes_the_set(tmp_path):
     prompts = tmp_path / "prompts.txt"
@@ -184,12 +179,7 @@ def test_killed_rank_fails_cleanly_and_a_rerun_completes_the_set(tmp_path):
     args = ("--prompts", str(prompts), "--tp", "2", "--steps", "6", "--timeout", "60")
     launcher = subprocess.Popen(_command(out, *args, ranks=2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-    deadline = time.monotonic() + 240
-    while not list(out.glob("*.png")) and time.monotonic() < deadline and launcher.poll() is None:
-        time.sleep(0.05)
-    workers = _worker_pids(psutil.Process(launcher.pid))
-    assert list(out.glob("*.png")) and len(workers) == 2, "the job did not reach its first image"
-    os.kill(max(workers), signal.SIGKILL)  # the last-started worker: rank 1
+    kill_rank_1_after_first_image(launcher, out, timeout_s=240)
     _, stderr = launcher.communicate(timeout=180)  # no hang: the others fail within the collective timeout
     assert launcher.returncode != 0
     # The survivor's collective fails at once and says so; if torchrun's agent stops it first, torchrun names

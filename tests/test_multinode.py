@@ -3,16 +3,13 @@ rendezvous (tp=2 inside each node, data parallelism across them, one shared outp
 restart (`--max-restarts`) after a rank is killed mid-job, resuming from what is on disk."""
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
-import psutil
 import pytest
+from killing import kill_rank_1_after_first_image
 from PIL import Image
 
 PROMPTS = ["a red fox in the snow", "a blue bird", "a green frog on a leaf", "a yellow boat"]
@@ -76,9 +73,6 @@ def test_two_nodes_equal_one_node_pixel_for_pixel(runs):
     assert not np.array_equal(two[first], one[second])
 
 
-def _worker_pids(launcher: psutil.Process) -> list[int]:
-    return [p.pid for p in launcher.children(recursive=True) if "neuron_diffusers" in " ".join(p.cmdline())]
-
 
 def _elastic(out, prompts, *restarts: str) -> subprocess.Popen:
     return subprocess.Popen(
@@ -96,12 +90,7 @@ def restarted(tmp_path_factory):
     prompts.write_text("\n".join(f"prompt number {i}" for i in range(8)) + "\n")
     out = root / "restarted"
     launcher = _elastic(out, prompts, "--max-restarts=1")
-    deadline = time.monotonic() + 300
-    while not list(out.glob("*.png")) and time.monotonic() < deadline and launcher.poll() is None:
-        time.sleep(0.05)
-    workers = _worker_pids(psutil.Process(launcher.pid))
-    assert list(out.glob("*.png")) and len(workers) == 2, "the job did not reach its first image"
-    os.kill(max(workers), signal.SIGKILL)  # the last-started worker: rank 1
+    kill_rank_1_after_first_image(launcher, out, timeout_s=300)
     at_kill = {path.name: (path.stat().st_ino, path.stat().st_mtime_ns) for path in out.glob("*.png")}
     log = _finish(launcher)
     _finish(_elastic(root / "uninterrupted", prompts))
