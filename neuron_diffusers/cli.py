@@ -42,6 +42,8 @@ COMMANDS = {
     "bench serve": ("tools.bench.serve", "throughput and latency percentiles of `serve` vs the batch job, same mesh"),
     "bench cp": ("tools.bench.context", "one image: step time of TP vs Ulysses vs ring vs one process on the same "
                                         "ranks; collectives by kind"),
+    "bench record": ("tools.bench.record", "run bench/plan commands that print JSON; store their output with the "
+                                           "command, date, machine and versions (the docs' figures)"),
     "bench vae": ("tools.bench.vae", "per-rank peak memory and seconds of a VAE decode, one rank vs N (parallel "
                                      "VAE)"),
     "bench device": ("tools.bench.device", "each family at full size on the device present (CUDA, else CPU): "

@@ -26,7 +26,8 @@ def test_bench_step_measures_every_variant_beside_one_process(tmp_path, capsys):
     assert all(diff < 1e-5 for diff in result["max_abs_diff"].values()), result["max_abs_diff"]
     assert result["max_abs_diff"]["stock again"] == result["max_abs_diff"]["stock"]  # the same plan, the same output
     assert result["one_process_after"] is False  # tiny: everything fits, all five in alternation
-    assert json.loads((out / "step.json").read_text()) == [result]
+    stored = json.loads((out / "step.json").read_text())
+    assert stored["results"] == [result] and stored["command"].startswith("neuron-diffusers bench step --family")
     table = (out / "step.md").read_text()
     assert "| Qwen-Image-2.1 | layers=1 |" in table and "(lean)" in table and "(stock again)" in table
     with Image.open(out / "step.png") as image:

@@ -277,10 +277,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of the tables")
 
 
-def main(args: argparse.Namespace) -> dict:
+def main(args: argparse.Namespace) -> None:
     if (args.height is None) != (args.width is None):
         raise ValueError("Give both --height and --width, or neither.")
     size = None if args.height is None else (args.height, args.width)
     result = measure(args.model, args.backend, PROMPTS[:args.prompts], size, args.steps, args.tp)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
-    return result

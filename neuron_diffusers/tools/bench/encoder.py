@@ -199,7 +199,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON instead of the table")
 
 
-def main(args: argparse.Namespace) -> dict:
+def main(args: argparse.Namespace) -> None:
     result = measure(args.encoder_mib, args.steps, args.dir)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
-    return result

@@ -1,7 +1,7 @@
 """Per-rank weight memory of every family at TP 1/2/4/8, our plans vs stock, against the total/N limit.
 
-`neuron-diffusers bench memory [--out DIR]` prints a
-markdown table and writes `memory.json`, `memory.md` and `memory.png` into DIR. Every figure is
+`neuron-diffusers bench memory [--out DIR]` prints a markdown table and writes `memory.json` (the rows, under
+`record.metadata`'s header: command, date, machine, versions), `memory.md` and `memory.png` into DIR. Every figure is
 measured by `plan report` on the full-size default configs built on the `meta` device, so the run
 takes seconds on a laptop and nothing in it is hand-maintained. MiniMax-H3 has no stock plan:
 stock loads the full model on every rank, so its stock per-rank figure is the total. "ours" is a family's leanest
@@ -21,7 +21,7 @@ from ... import families
 from ...compat.plans import stock_plan
 from ..plan.meta import meta_transformer
 from ..plan.sharding import BF16_BYTES, GIB, per_rank_params
-from . import plot, rss
+from . import plot, record, rss
 
 DEGREES = (1, 2, 4, 8)
 ALL_FAMILIES = tuple(family.name for family in families.FAMILIES)
@@ -52,6 +52,8 @@ def measure(names=ALL_FAMILIES, degrees=DEGREES) -> list[dict]:
                     row[f"{label}_gib"] = _gib(per_rank_params(model, plan, tp))
                 except ValueError:
                     row[f"{label}_gib"] = None
+                gib = row[f"{label}_gib"]
+                row[f"{label}_ratio"] = None if gib is None else gib / row["limit_gib"]  # the table's "(1.28x)"
             rows.append(row)
     return rows
 
@@ -88,7 +90,8 @@ def run(out: Path, names=ALL_FAMILIES, degrees=DEGREES) -> dict[str, Path]:
     print(table, end="")
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "memory.json", "md": out / "memory.md", "png": out / "memory.png"}
-    paths["json"].write_text(json.dumps(rows, indent=2) + "\n")
+    header = record.metadata(f"neuron-diffusers bench memory --out {out}")
+    paths["json"].write_text(json.dumps({**header, "rows": rows}, indent=2) + "\n")
     paths["md"].write_text(table)
     plot.grouped_bars(rows, paths["png"])
     return paths

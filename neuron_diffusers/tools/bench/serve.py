@@ -172,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of each, for the spread")
     parser.add_argument("--size", default="128x128", help="WIDTHxHEIGHT (default 128x128)")
     parser.add_argument("--steps", type=positive_int, default=4)
-    parser.add_argument("--json", type=Path, default=None, help="also write the rounds here")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rounds here ('-': print them as JSON)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -214,5 +214,8 @@ def main(args: argparse.Namespace) -> int:
           f"{_spread([r['seconds_per_image'] for r in batch])} | - | - | - |")
     print(f"serve / batch images per second, per round: {_spread(ratios)}")
     if args.json:
-        args.json.write_text(json.dumps({"serve": served, "batch": batch, "ratios": ratios}, indent=2))
+        setup = {"model": args.model, "nproc": args.nproc, "mesh": mesh_args, "size": args.size, "steps": args.steps,
+                 "requests": args.requests, "rounds": args.rounds, "concurrency": args.concurrency}
+        stored = json.dumps({"setup": setup, "serve": served, "batch": batch, "ratios": ratios}, indent=2)
+        print(stored) if str(args.json) == "-" else args.json.write_text(stored)  # "-": stdout, for `bench record`
     return 0

@@ -47,7 +47,7 @@ from ...distributed import init_distributed
 from ..plan.cases import capture_first_call, predictions
 from ..plan.meta import meta_transformer
 from ..spawn import run_on_cpu_ranks
-from . import plot
+from . import plot, record
 from .collectives import DEPTH_FIELDS, forward_call
 from .rss import available_bytes
 
@@ -259,7 +259,7 @@ def chart(results: list[dict], path: Path) -> None:
     ], ("stock TP", "our default plan"), f"bench step, TP={results[0]['tp']}", path)
 
 
-def run(families_: list[str], out: Path | None, **options) -> list[dict]:
+def run(families_: list[str], out: Path | None, command: str = "neuron-diffusers bench step", **options) -> list[dict]:
     """Measure each family (printing its row as soon as it has it), then write step.json / .md / .png into `out`."""
     results = []
     for family in families_:
@@ -267,7 +267,8 @@ def run(families_: list[str], out: Path | None, **options) -> list[dict]:
         print(markdown(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)  # stdout: the table or JSON
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "step.json").write_text(json.dumps(results, indent=2) + "\n")
+        header = record.metadata(command)
+        (out / "step.json").write_text(json.dumps({**header, "results": results}, indent=2) + "\n")
         (out / "step.md").write_text(markdown(results))
         chart(results, out / "step.png")
     return results
@@ -294,7 +295,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    results = run(args.family or list(FAMILIES), args.out, tp=args.tp, blocks=args.blocks, tokens=args.tokens,
+    command = record.command_line(args)
+    results = run(args.family or list(FAMILIES), args.out, command, tp=args.tp, blocks=args.blocks, tokens=args.tokens,
                   text=args.text, repeats=args.repeats, width=args.width, one_process=args.one_process,
                   control=args.control)
     print(json.dumps(results, indent=2) if args.json else markdown(results), end="")
