@@ -113,6 +113,7 @@ def plan_report(model: str, tp: int, plan: str = "default") -> dict:
         "limit_gib_bf16": total * BF16_BYTES / tp / GIB,
         "ratio_to_limit": per_rank * tp / total,
         "replicated_params": sum(row["params"] for row in replicated),
+        "replicated_share": sum(row["params"] for row in replicated) / total,  # the share the docs quote
         "replicated": replicated,
         "all_reduces_per_forward": calls["all_reduce"],
         "all_gathers_per_forward": calls["all_gather"],
