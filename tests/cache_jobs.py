@@ -185,10 +185,11 @@ def cfg_pair_case_check(checkpoint, family: str, name) -> dict:
 
 
 def job_check(job_argv: list[str]) -> dict:
-    """The `generate` job with `--cache` on two ranks."""
-    from rank_jobs import _job_outputs
+    """The `generate` job with `--cache` on two ranks: rank 0's outputs, and each rank's final latents (what its
+    group's last latent check compared, `cfg_jobs.final_latents`), to compare with stock before the 8-bit rounding."""
+    from cfg_jobs import job_with_latents
 
     report = {}
     with one_thread():
-        record(report, "job", _job_outputs, job_argv)
+        record(report, "job", job_with_latents, job_argv)
     return report

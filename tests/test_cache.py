@@ -1,7 +1,8 @@
 """Step caching under parallelism: diffusers' cache hooks with every skip decision shared by the group.
 
 Each parallel case runs as its own job on the session's gloo rank pool (`rank_pool`), at TP=2 or as one CFG pair
-(cfg=2, tp=1) with true CFG, plus the `generate` job; each result is recorded on its own (`rank_cases`). The stock
+(cfg=2, tp=1) with true CFG, plus the `generate` job (its final latents against stock's, not only its counts);
+each result is recorded on its own (`rank_cases`). The stock
 single-process references run in this process, with stock `enable_cache` (FLUX.1, Qwen-Image) or the same
 `GroupCache` alone (Qwen-Image-2.1, MiniMax-H3, FLUX.2, which stock cannot cache). "Same decisions" is checked step
 by step, the float outputs (before the 8-bit rounding) to 1e-4 max: float32 rounding of O(1) values through reordered
@@ -18,6 +19,7 @@ import pytest
 import torch
 from rank_cases import case
 
+from neuron_diffusers import tiny
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.cli import main as cli_main
 from neuron_diffusers.parallel.cache import check_cache, check_cache_config, enable_group_cache, parse_cache_spec
@@ -279,10 +281,44 @@ def test_compiled_blocks_with_the_cache_give_the_eager_image(cases, stock_pipes)
 # -- the job ------------------------------------------------------------------------------------------------------
 
 
+def _stock_job_latents(pipe, config, prompt=cache_jobs.PROMPT):
+    """Stock FLUX.1 with `enable_cache(config)` and the job's call (its stock 512 text tokens, true CFG, seed 0): the
+    final latents, read at the last step's callback (what `output_type="latent"` returns)."""
+    final = {}
+
+    def keep(pipe, step, timestep, kwargs):
+        final["latents"] = kwargs["latents"].clone()
+        return {}
+
+    pipe.transformer.enable_cache(config)
+    try:
+        with torch.no_grad():
+            pipe(prompt=prompt, generator=torch.Generator().manual_seed(0), output_type="latent",
+                 **{**tiny.smallest_call("flux"), "num_inference_steps": cache_jobs.STEPS}, **cache_jobs.TRUE_CFG,
+                 callback_on_step_end=keep, callback_on_step_end_tensor_inputs=["latents"])
+    finally:
+        pipe.transformer.disable_cache()
+    return final["latents"][0].numpy()
+
+
+def test_job_cached_latents_equal_stock_enable_cache(job_report, stock_pipes):
+    """The job's own output before the 8-bit rounding (its final latents) against stock `enable_cache` at the job's
+    threshold, and the control: stock at threshold 0 (nothing skipped) lies further than the tolerance."""
+    leader = case(job_report, "job")[0]
+    ours = np.asarray(leader["latents"][0][0][0])
+    expected = _stock_job_latents(stock_pipes("flux"), cache_jobs.config_of("first-block"))
+    control = _stock_job_latents(stock_pipes("flux"), cache_jobs.control_config_of("first-block"))
+    assert ours.shape == expected.shape
+    moved = float(np.abs(control - expected).max())
+    assert moved > TOLERANCE, f"threshold 0 moves stock's latents by only {moved:.2e}: the check is blind"
+    difference = float(np.abs(ours - expected).max())
+    assert difference < TOLERANCE, f"the cached job's latents differ from stock's by {difference:.2e}"
+
+
 def test_job_reports_forwards_computed_and_cached(job_report, job_out, capsys):
     from neuron_diffusers.job import format_phases
 
-    job = case(job_report, "job")[0]
+    job = case(job_report, "job")[0]["outputs"]
     summary = job["summary"]
     (image,) = summary["images"]
     counts = image["cache"]
