@@ -12,7 +12,7 @@ link targets:
   one) names, as a link or a file name (a table a command writes beside its JSON, docs/NAME.md beside
   docs/NAME.json, names that file), rounds to it at the printed decimals: the value itself, or for `%` 100 v,
   100 (v - 1) or 100 (1 - v), for `GiB` / `MiB` / `GB` / `MB` also v bytes, for `ms` 1000 v seconds, for `min`
-  v / 60 seconds.
+  v / 60 seconds; a table's number may also be v bytes in GiB, MiB or KiB.
 - A setting or a test's bar is not a measurement: an `s`, `GiB`, `MiB` or `%` figure equal (in the forms above) to
   a default of a CLI option or one of `SETTINGS` (read from the code here, so the docs cannot drift from it) is
   found too.
@@ -165,6 +165,8 @@ def _forms(value: float, unit: str) -> list[float]:
         forms.append(value / 2**30)
     if unit in ("MiB", ""):
         forms.append(value / 2**20)
+    if unit == "":
+        forms.append(value / 2**10)  # KiB in a table
     if unit == "GB":
         forms.append(value / 1e9)
     if unit == "MB":

@@ -80,7 +80,11 @@ def measure(model: str, ranks: int, steps: int, size: int, repeats: int) -> dict
         model = str(tiny.cached_tiny(model))  # built here, before the ranks start
     call = {"height": size, "width": size, "num_inference_steps": steps}
     per_rank = run_on_cpu_ranks(_rank_bench, ranks, model, ranks, call, repeats, timeout_s=1800)
-    return {"model": model, "ranks": ranks, "size": size, "steps": steps, "repeats": repeats, "layouts": per_rank[0]}
+    layouts = per_rank[0]
+    single = next(v for k, v in layouts.items() if k.startswith("one process"))["step_seconds"]
+    for figures in layouts.values():
+        figures["vs_one_process"] = figures["step_seconds"] / single  # the ratio the docs quote, stored with it
+    return {"model": model, "ranks": ranks, "size": size, "steps": steps, "repeats": repeats, "layouts": layouts}
 
 
 KINDS = {"all_reduce": "all-reduces", "all_gather": "all-gathers", "all_to_all": "all-to-alls", "p2p": "P2P"}
