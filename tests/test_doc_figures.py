@@ -263,3 +263,30 @@ def test_the_rule_catches_an_unstored_figure(tmp_path):
                                                  ("1.25", "")]
     stored = {"run.json": _numbers(json.loads((tmp_path / "run.json").read_text()))}
     assert [_found(f, stored, []) for f in found] == [True, False, True, False, False]
+
+
+def test_bench_record_stores_a_commands_json_under_its_header(tmp_path):
+    from neuron_diffusers.cli import main
+
+    out = tmp_path / "report.json"
+    assert main(["bench", "record", str(out), "--run", "plan report --model qwenimage21 --tp 2 --json"]) == 0
+    stored = json.loads(out.read_text())
+    assert stored["command"].startswith(f"neuron-diffusers bench record {out} --run ")
+    assert stored["machine"]["cpus"] >= 1 and stored["versions"]["diffusers"] and stored["date"].endswith("UTC")
+    (run,) = stored["runs"]
+    assert run["command"] == "neuron-diffusers plan report --model qwenimage21 --tp 2 --json" and run["exit_code"] == 0
+    assert run["result"]["tp"] == 2 and run["result"]["model_class"] == "QwenImage21Transformer2DModel"
+
+
+def test_bench_record_refuses_a_bad_command_before_running_anything(tmp_path, capsys):
+    from neuron_diffusers.cli import main
+    from neuron_diffusers.tools.bench.record import parse_output
+
+    assert main(["bench", "record", str(tmp_path / "x.json"), "--run", "bench nosuch --json"]) == 2
+    assert "is not a valid neuron-diffusers command" in capsys.readouterr().err
+    good = "plan report --model flux --tp 2 --json"
+    assert main(["bench", "record", str(tmp_path / "no" / "x.json"), "--run", good]) == 2
+    assert "is not a folder" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    assert parse_output('noise\n{"a": 1}\nmore\n') == {"a": 1}  # JSON lines among other output
+    with pytest.raises(ValueError, match="printed no JSON"):
+        parse_output("a table, no JSON\n")
