@@ -121,7 +121,9 @@ def test_not_a_model_is_a_clear_error(capsys, tmp_path):
 def test_memory_benchmark_writes_table_json_and_chart(tmp_path, capsys):
     paths = bench_memory.run(tmp_path, names=("qwenimage21", "h3"), degrees=(1, 2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.json", "memory.md", "memory.png"]
-    rows = json.loads(paths["json"].read_text())
+    stored = json.loads(paths["json"].read_text())
+    assert stored["command"].startswith("neuron-diffusers bench memory") and stored["versions"]["diffusers"]
+    rows = stored["rows"]
     assert [(r["family"], r["tp"]) for r in rows] == [("qwenimage21", 1), ("qwenimage21", 2), ("h3", 1), ("h3", 2)]
     h3_tp2 = rows[3]
     assert not h3_tp2["stock_has_plan"] and h3_tp2["stock_gib"] == h3_tp2["total_gib"]  # no plan: full model
