@@ -6,8 +6,8 @@ link targets:
 - A *figure* is a number followed by a unit: `x` (`0.99x`; spaced, `1.021 x`, only after a decimal number, since
   `1024 x 1024` and `2 x tp` are products), `%`, `s`, `ms`, `min`, `us`, `GiB`, `MiB`, `GB`, `MB`; both ends of a
   range (`0.48-0.58x`, `42 to 502 s`); both numbers of a count `N of M` / `N clean of M` (also passed, failed,
-  verified, skipped, aborted); and, in a table row,
-  every number with a decimal point. Versions in names (`Qwen-Image-2.1`, `Wan 2.1`) are not figures.
+  verified, skipped, aborted); and, in a table row, every number with a decimal point. Versions in names
+  (`Qwen-Image-2.1`, `Wan 2.1`) are not figures.
 - It is *found* when some number in a JSON file under docs/ that the figure's section (its heading to the next
   one) names, as a link or a file name (a table a command writes beside its JSON, docs/NAME.md beside
   docs/NAME.json, names that file), rounds to it at the printed decimals: the value itself, or for `%` 100 v,
