@@ -288,5 +288,6 @@ def test_bench_record_refuses_a_bad_command_before_running_anything(tmp_path, ca
     assert main(["bench", "record", str(tmp_path / "no" / "x.json"), "--run", good]) == 2
     assert "is not a folder" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
     assert parse_output('noise\n{"a": 1}\nmore\n') == {"a": 1}  # JSON lines among other output
+    assert parse_output('| a table |\n{\n  "b": [1,\n 2]\n}\n') == {"b": [1, 2]}  # a document after a table
     with pytest.raises(ValueError, match="printed no JSON"):
         parse_output("a table, no JSON\n")

@@ -70,18 +70,21 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def parse_output(stdout: str):
-    """One JSON document, or else every line that is one (JSON lines, e.g. `bench exit`'s summary)."""
-    try:
-        return json.loads(stdout)
-    except json.JSONDecodeError:
-        pass
+    """One JSON document (the whole output, or its end after a printed table, as `bench serve --json -` prints),
+    or else every line that is one (JSON lines, e.g. `bench exit`'s summary)."""
+    lines = stdout.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip()[:1] in ("{", "[")]
+    for start in [0, *starts]:
+        try:
+            return json.loads("\n".join(lines[start:]))
+        except json.JSONDecodeError:
+            continue
     found = []
-    for line in stdout.splitlines():
-        if line.strip()[:1] in ("{", "["):
-            try:
-                found.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for start in starts:
+        try:
+            found.append(json.loads(lines[start]))
+        except json.JSONDecodeError:
+            continue
     if not found:
         raise ValueError("the command printed no JSON: give it its `--json` flag")
     return found[0] if len(found) == 1 else found
