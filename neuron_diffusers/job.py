@@ -271,13 +271,21 @@ def _number(entry: dict, key: str, default):
     return value
 
 
-def _check_family_keys(entry: dict, adapter) -> None:
+def _given(entry: dict, key: str):
+    """The line's value of `key`: None when absent, True when there but null (given all the same)."""
+    return (True if entry[key] is None else entry[key]) if key in entry else None
+
+
+def _check_family_keys(entry: dict, adapter) -> dict:
     """Per-line settings the family cannot take, refused with the line (the flags get the same checks in
-    `plan_job`)."""
-    check_guidance(adapter, {"'negative_prompt'": entry.get("negative_prompt"),
-                             "'guidance'": True if "guidance" in entry else None,
-                             "'true_cfg_scale'": True if "true_cfg_scale" in entry else None},
-                   where=f"{entry['_where']}: ")
+    `plan_job`); the line with Qwen-Image's `true_cfg_scale` folded into its `guidance` (`check_guidance`)."""
+    guidance, true_cfg = check_guidance(adapter, {"'negative_prompt'": entry.get("negative_prompt"),
+                                                  "'guidance'": _given(entry, "guidance"),
+                                                  "'true_cfg_scale'": _given(entry, "true_cfg_scale")},
+                                        where=f"{entry['_where']}: ")
+    if "true_cfg_scale" in entry and true_cfg is None:
+        entry = {**{key: value for key, value in entry.items() if key != "true_cfg_scale"}, "guidance": guidance}
+    return entry
 
 
 def build_requests(entries: list[dict], *, seed: int, height: int, width: int, steps: int,
@@ -305,7 +313,7 @@ def build_requests(entries: list[dict], *, seed: int, height: int, width: int, s
         check_text(entry["prompt"], f"{entry['_where']}: the prompt")
         if entry.get("negative_prompt") is not None:
             check_text(entry["negative_prompt"], f"{entry['_where']}: the negative prompt")
-        _check_family_keys(entry, adapter)
+        entry = _check_family_keys(entry, adapter)
         request = Request(
             index=index,
             prompt=entry["prompt"],
@@ -403,13 +411,14 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     launch = plan_launch(args, world_size, device_type, steps=args.steps,
                          loras=[parse_lora_option(text) for text in args.lora])
     checkpoint, adapter = launch.checkpoint, launch.checkpoint.adapter
-    check_guidance(adapter, {"--negative-prompt": args.negative_prompt, "--guidance": args.guidance,
-                             "--true-cfg-scale": args.true_cfg_scale})
+    guidance, true_cfg_scale = check_guidance(adapter, {"--negative-prompt": args.negative_prompt,
+                                                        "--guidance": args.guidance,
+                                                        "--true-cfg-scale": args.true_cfg_scale})
     height, width = default_size(args.model)
     requests = build_requests(
         entries, seed=args.seed, height=args.height or height, width=args.width or width,
-        steps=args.steps, guidance=args.guidance, negative_prompt=args.negative_prompt,
-        limits=adapter.size_limits(checkpoint), adapter=adapter, true_cfg_scale=args.true_cfg_scale,
+        steps=args.steps, guidance=guidance, negative_prompt=args.negative_prompt,
+        limits=adapter.size_limits(checkpoint), adapter=adapter, true_cfg_scale=true_cfg_scale,
         max_pixels=args.max_pixels, images=args.image, mask=args.mask, strength=args.strength,
     )
     _check_requests(requests, launch, world_size)
@@ -804,8 +813,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="guidance scale (FLUX: guidance_scale; Qwen-Image / 2.1: true_cfg_scale)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--true-cfg-scale", type=finite_float, default=None,
-                        help="FLUX.1's true CFG scale (with --negative-prompt); Qwen-Image / 2.1 take it from "
-                             "--guidance")
+                        help="FLUX.1's true CFG scale (with --negative-prompt); for Qwen-Image / 2.1 another name "
+                             "for --guidance")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     parser.add_argument("--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS,

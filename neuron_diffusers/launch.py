@@ -140,11 +140,13 @@ class LaunchSpec:
         return [lora.spec.record() for lora in self.loras]
 
 
-def check_guidance(adapter, given: dict, where: str = "") -> None:
+def check_guidance(adapter, given: dict, where: str = "") -> tuple:
     """The guidance-distilled rule, in one place: a family without true CFG takes no negative prompt and no
-    true-CFG scale, one without a guidance kwarg no guidance; and where guidance *is* the true-CFG scale (Qwen-Image),
-    the true-CFG option is refused for the guidance one. `given` maps each option's name as the user wrote it
-    (`--guidance`, `'guidance'`, `guidance_scale`) to its value, in the order negative prompt, guidance, true CFG."""
+    true-CFG scale, one without a guidance kwarg no guidance. Where guidance *is* the true-CFG scale (Qwen-Image),
+    the true-CFG option is stock's own name for it (`QwenImagePipeline(true_cfg_scale=...)`): an alias, folded into
+    guidance, and refused only when both are given with different values. `given` maps each option's name as the
+    user wrote it (`--guidance`, `'guidance'`, `guidance_scale`) to its value, in the order negative prompt,
+    guidance, true CFG. Returns the (guidance, true CFG) values to use."""
     (negative, neg_value), (guidance, guidance_value), (true_cfg, true_value) = given.items()
     distilled = f"{where}{adapter.pipeline_class} is guidance-distilled"
     if neg_value is not None and not adapter.takes_negative_prompt:
@@ -153,11 +155,16 @@ def check_guidance(adapter, given: dict, where: str = "") -> None:
         raise ValueError(f"{distilled}: drop {guidance}.")
     if true_value is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{distilled} and has no true CFG: drop {true_cfg}.")
-    if true_value is not None and adapter.guidance_kwarg == "true_cfg_scale":
-        value = f"{true_value:g}" if isinstance(true_value, int | float) else str(true_value)
-        setting = f"{guidance}{' ' if guidance.startswith('--') else '='}{value}"
-        raise ValueError(f"{where}For {adapter.pipeline_class}, {guidance} sets true_cfg_scale: use {setting} "
-                         f"instead of {true_cfg}.")
+    if true_value is None or adapter.guidance_kwarg != "true_cfg_scale":
+        return guidance_value, true_value
+    if guidance_value is not None and guidance_value != true_value:
+        raise ValueError(f"{where}For {adapter.pipeline_class}, {guidance} and {true_cfg} both set true_cfg_scale "
+                         f"and differ ({_shown(guidance_value)} vs {_shown(true_value)}): give one of them.")
+    return true_value, None
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
 
 
 def mesh_degrees(args, world_size: int) -> tuple[int, int]:
