@@ -1,5 +1,5 @@
 """`neuron-diffusers serve`: request checks and the HTTP layer in one process, then the real server under torchrun
-(TP=2) in one fat test: the CLI job's image for the same seed, concurrency, refusals, a full queue, SIGTERM."""
+(TP=2) in one fat test: the job's image for the same seed, concurrency, refusals, a full queue, SIGTERM."""
 
 import asyncio
 import base64
@@ -19,6 +19,7 @@ import httpx
 import lora_files
 import numpy as np
 import pytest
+import rank_jobs
 import serve_jobs
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -436,13 +437,12 @@ def _b64_pixels(item) -> tuple[np.ndarray, dict]:
 
 
 @pytest.fixture(scope="module")
-def job_image(tmp_path_factory):
-    """The CLI job's image at TP=2, to compare the servers' with."""
+def job_image(tmp_path_factory, rank_pool):
+    """The job's image at TP=2, to compare the servers' with: `generate`'s own plan and run on the session's 2 ranks,
+    as torchrun's ranks run them (no launch of its own: each costs seconds of imports)."""
     out = tmp_path_factory.mktemp("job")
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
-                          "neuron_diffusers", "generate", "--prompt", "a red fox", "--seed", "7", "--steps", "2",
-                          "--tp", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert job.returncode == 0, job.stderr[-3000:]
+    rank_pool.run(rank_jobs._job_outputs, 2, ["--prompt", "a red fox", "--seed", "7", "--steps", "2", "--tp", "2",
+                                              "--out", str(out)], timeout_s=300)
     return Image.open(out / "00000-a-red-fox.png")
 
 
@@ -455,7 +455,7 @@ def test_server_under_torchrun_tp2(job_image):
             first = client.post(url, json={"prompt": "a red fox", "seed": 7})
             assert first.status_code == 200, first.text
             pixels, text = _b64_pixels(first.json()["data"][0])
-            assert np.array_equal(pixels, np.asarray(job_image.convert("RGB"))), "not the CLI job's image"
+            assert np.array_equal(pixels, np.asarray(job_image.convert("RGB"))), "not the job's image"
             assert text["settings_digest"] == job_image.text["settings_digest"] and text["tp"] == "2"
 
             refused = [client.post(url, content=b'{"prompt": "a fox",', headers={"content-type": "application/json"}),
