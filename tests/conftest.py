@@ -5,8 +5,9 @@ import contextlib
 import os
 
 # One intra-op thread per process, as torchrun sets for several ranks: the suite's ranks, CLI children and this process
-# share 2 cores in CI, where each process's default thread per core made them spin against each other (measured: the
-# rank jobs of tests/test_tensor_parallel.py ran 2-3x faster). Set before torch is imported, so it holds here too.
+# share 2 cores in CI, where each process's default thread per core made them spin against each other (measured on a
+# busy machine: tests/test_tensor_parallel.py's rank jobs 2-3x faster, 25% less CPU in all). Set before torch is
+# imported, so it holds in this process too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
