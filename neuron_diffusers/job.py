@@ -732,10 +732,13 @@ def _phases(pipe, after_warmup: tuple[dict, dict, dict | None], compile_seconds:
 
 def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> dict:
     """This run's records (`generated` counts them) and, under `images`, every output's record: earlier runs' are
-    kept while their files are there."""
+    kept while their files are there. An output found done on disk with no earlier record (made by an attempt killed
+    before it wrote a summary, e.g. before a torchrun restart) is listed too, with `seconds` unknown (null)."""
     leaders = [entry for entry in gathered if entry is not None]
     new = sorted((image for entry in leaders for image in entry["images"]), key=lambda image: image["index"])
-    images = merge_records(read_summary_images(plan.out_dir / "summary.json"), new, plan.out_dir)
+    suffix = plan.checkpoint.adapter.output_suffix
+    found = [{**asdict(r), "file": r.file_name(suffix), "seconds": None} for r in plan.requests if r.index in plan.done]
+    images = merge_records(found + read_summary_images(plan.out_dir / "summary.json"), new, plan.out_dir)
     return {
         "model": plan.checkpoint.source,
         "checkpoint": str(plan.checkpoint.path),
