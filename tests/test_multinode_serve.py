@@ -12,14 +12,16 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import httpx
 import numpy as np
 import psutil
 import pytest
 from PIL import Image
-from torch.distributed import HashStore
+from torch.distributed import DistStoreError, HashStore
 
+from neuron_diffusers.distributed import wait_keys
 from neuron_diffusers.serve import liveness
 from neuron_diffusers.serve.app import GENERATIONS
 from neuron_diffusers.serve.liveness import Liveness
@@ -252,3 +254,46 @@ def test_sigterm_on_every_node_answers_the_request_in_flight(two_nodes):
 def test_sigterm_on_every_node_ends_every_rank_and_agent_with_0(two_nodes):
     # An agent exits 0 only when each of its workers did.
     assert two_nodes["codes"] == [0, 0], "".join(agent.log() for agent in two_nodes["agents"])
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_signal_ends_a_wait_for_the_group_at_once():
+    """torchrun SIGTERMs the ranks left when one dies; a rank waiting for the dead one in the entry handshake
+    (`CallEntry`) or at the end (`leave_together`) must handle it at once, not when torchrun SIGKILLs it 30 s later.
+    Control: a blocking store wait holds the signal's handler until the wait ends (the test can fail)."""
+    store = HashStore()
+
+    def interrupted_after(wait, seconds=0.2) -> float:
+        """Seconds from arming a SIGALRM in `seconds` until its handler ran, while `wait()` runs."""
+        ran, start = [], time.monotonic()
+
+        def interrupt(signum, frame):
+            ran.append(time.monotonic() - start)
+            raise _Interrupted
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            wait()
+            time.sleep(5)  # the handler has run by now at the latest
+        except _Interrupted:
+            pass
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        return ran[0]
+
+    assert interrupted_after(lambda: wait_keys(store, ["never"], 30)) < 1.0
+    # The control: the handler runs only once the blocking wait gives up (1.5 s), then raises.
+    blocking = interrupted_after(lambda: _blocking_wait(store, 1.5))
+    assert blocking >= 1.5, blocking
+
+
+def _blocking_wait(store, seconds: float) -> None:
+    try:
+        store.wait(["never"], timedelta(seconds=seconds))
+    except DistStoreError:
+        pass
