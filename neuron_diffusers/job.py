@@ -89,6 +89,7 @@ from .parallel.vae import resolve_parallel_vae
 from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs
 from .runner import check_context_parallel_call, load_pipeline
+from .stopping import ExitWhenStuck
 from .topology import detect_nodes
 
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale", "image",
@@ -838,8 +839,9 @@ def main(args: argparse.Namespace) -> int:
     # on the way out) instead of dying wherever the signal lands.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        summary = run_job(plan, overwrite=args.overwrite, compile_backend=args.compile, warm=args.warmup,
-                          timeout_s=args.timeout)
+        with ExitWhenStuck():  # ... or, blocked in a collective with a dead peer, end 5 s after the signal
+            summary = run_job(plan, overwrite=args.overwrite, compile_backend=args.compile, warm=args.warmup,
+                              timeout_s=args.timeout)
     except (RuntimeError, dist.DistError) as error:
         # Another rank died and a collective failed or timed out, or an output could not be written (the same
         # error on every rank): what was written is complete (atomic writes), and the same command resumes.

@@ -25,6 +25,7 @@ from neuron_diffusers.distributed import wait_keys
 from neuron_diffusers.serve import liveness
 from neuron_diffusers.serve.app import GENERATIONS
 from neuron_diffusers.serve.liveness import Liveness
+from neuron_diffusers.stopping import ExitWhenStuck
 
 PEER_TIMEOUT_S = 8.0  # a loaded machine can stall a loading rank's heartbeat for seconds
 #: torchrun's agent waits this long for its workers after its SIGTERM, then SIGKILLs them (torch's default).
@@ -297,3 +298,28 @@ def _blocking_wait(store, seconds: float) -> None:
         store.wait(["never"], timedelta(seconds=seconds))
     except DistStoreError:
         pass
+
+
+def test_a_job_stuck_in_one_call_after_sigterm_ends_after_the_grace():
+    """The job's guard (`stopping.ExitWhenStuck`): a SIGTERM while the main thread is blocked in one call (as in a
+    collective with a dead peer) ends the process `grace_s` later, though the Python handler has not run. Controls:
+    no SIGTERM, no exit; a context left after the SIGTERM (the handler's `SystemExit`) cancels the exit."""
+    exits, handled = [], []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: handled.append(time.monotonic()))
+    try:
+        with ExitWhenStuck(grace_s=0.3, exit_process=lambda code: exits.append((code, time.monotonic()))):
+            _blocking_wait(HashStore(), 0.5)  # no signal: nothing happens
+            start = time.monotonic()
+            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            _blocking_wait(HashStore(), 2.0)  # blocked in one call: the handler waits for its end
+        assert [code for code, _ in exits] == [128 + signal.SIGTERM]
+        assert exits[0][1] - start < 1.5 < handled[0] - start, (exits, handled, start)
+
+        exits.clear()
+        with ExitWhenStuck(grace_s=0.5, exit_process=exits.append):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs; the job's would raise SystemExit and leave the context
+        time.sleep(1.0)
+        assert exits == []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
