@@ -89,6 +89,7 @@ from .parallel.vae import resolve_parallel_vae
 from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs
 from .runner import check_context_parallel_call, load_pipeline
+from .stopping import ExitWhenStuck
 from .topology import detect_nodes
 
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale", "image",
@@ -741,10 +742,13 @@ def _phases(pipe, after_warmup: tuple[dict, dict, dict | None], compile_seconds:
 
 def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> dict:
     """This run's records (`generated` counts them) and, under `images`, every output's record: earlier runs' are
-    kept while their files are there."""
+    kept while their files are there. An output found done on disk with no earlier record (made by an attempt killed
+    before it wrote a summary, e.g. before a torchrun restart) is listed too, with `seconds` unknown (null)."""
     leaders = [entry for entry in gathered if entry is not None]
     new = sorted((image for entry in leaders for image in entry["images"]), key=lambda image: image["index"])
-    images = merge_records(read_summary_images(plan.out_dir / "summary.json"), new, plan.out_dir)
+    suffix = plan.checkpoint.adapter.output_suffix
+    found = [{**asdict(r), "file": r.file_name(suffix), "seconds": None} for r in plan.requests if r.index in plan.done]
+    images = merge_records(found + read_summary_images(plan.out_dir / "summary.json"), new, plan.out_dir)
     return {
         "model": plan.checkpoint.source,
         "checkpoint": str(plan.checkpoint.path),
@@ -844,8 +848,9 @@ def main(args: argparse.Namespace) -> int:
     # on the way out) instead of dying wherever the signal lands.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        summary = run_job(plan, overwrite=args.overwrite, compile_backend=args.compile, warm=args.warmup,
-                          timeout_s=args.timeout)
+        with ExitWhenStuck():  # ... or, blocked in a collective with a dead peer, end 5 s after the signal
+            summary = run_job(plan, overwrite=args.overwrite, compile_backend=args.compile, warm=args.warmup,
+                              timeout_s=args.timeout)
     except (RuntimeError, dist.DistError) as error:
         # Another rank died and a collective failed or timed out, or an output could not be written (the same
         # error on every rank): what was written is complete (atomic writes), and the same command resumes.

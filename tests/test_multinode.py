@@ -104,6 +104,15 @@ def test_a_killed_rank_restarts_the_group_and_every_image_exists_once(restarted)
     assert summary["restarts"] == 1 and summary["generated"] == 8 - len(at_kill), summary
 
 
+def test_the_summary_after_a_restart_lists_every_image_of_the_job(restarted):
+    root, at_kill, _ = restarted
+    images = json.loads((root / "restarted" / "summary.json").read_text())["images"]
+    assert [image["file"] for image in images] == sorted(p.name for p in (root / "restarted").glob("*.png"))
+    # The killed attempt's images have no timing (it never wrote a summary); the last attempt's have theirs.
+    assert {image["file"] for image in images if image["seconds"] is None} == set(at_kill), images
+    assert all(image["prompt"] == f"prompt number {image['index']}" for image in images)
+
+
 def test_images_written_before_the_kill_are_not_made_again(restarted):
     root, at_kill, _ = restarted
     for name, (inode, mtime) in at_kill.items():
