@@ -1,0 +1,45 @@
+"""Rank jobs for tests/test_quantize.py (module level, so the rank pool can import them)."""
+
+from __future__ import annotations
+
+import torch
+from rank_cases import one_thread, record
+
+from neuron_diffusers.checkpoint import resolve
+from neuron_diffusers.parallel.quantize import quantize_model
+from neuron_diffusers.tools.plan.cases import predictions
+
+KINDS = ("fp8", "int8")
+#: The block width per family: 16 divides every tiny family's row shards at TP=2 and 4; Wan 2.1's attention output
+#: (48 wide, 24 per rank at TP=2) takes 8.
+BLOCKS = {"wan": 8}
+
+
+def scheme(family: str, kind: str) -> str:
+    return f"{kind}:{BLOCKS.get(family, 16)}"
+
+
+def quantized_predictions(checkpoint, scheme: str, args, kwargs, parallel_config=None) -> tuple[torch.Tensor, ...]:
+    """The transformer of `checkpoint` loaded (sharded by `parallel_config`, or whole), quantized, called once."""
+    cls = resolve(checkpoint).transformer_class()
+    extra = {} if parallel_config is None else {"parallel_config": parallel_config}
+    model = cls.from_pretrained(checkpoint, subfolder="transformer", **extra).eval()
+    quantize_model(model, scheme)
+    with torch.no_grad():
+        return predictions(model(*args, **kwargs))
+
+
+def tp_job(calls: dict) -> dict:
+    """Every family's call under each scheme at TP=2 (the whole pool one TP group): `{(family, kind): outputs}`."""
+    from diffusers import TensorParallelConfig
+
+    from neuron_diffusers import init_distributed
+
+    report = {}
+    with one_thread():
+        config = TensorParallelConfig(mesh=init_distributed(tp=2)["tp"])
+        for family, (checkpoint, args, kwargs) in calls.items():
+            for kind in KINDS:
+                record(report, (family, kind), quantized_predictions, checkpoint, scheme(family, kind), args, kwargs,
+                       config)
+    return report
