@@ -57,6 +57,7 @@ from .parallel import context
 from .parallel.cache import GroupCache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
 from .parallel.lora import FusedLoras
+from .parallel.quantize import check_launch_quantize, quantize_model, quantize_rules
 from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
 from .pipelines.base import SizeLimits, check_seeds, check_text
@@ -423,7 +424,7 @@ def _check_prebuilt(transformer: torch.nn.Module, checkpoint: Checkpoint, mesh: 
 
 #: `load_pipeline`'s keyword arguments that a `LaunchSpec` holds, with their defaults.
 _FRONT_DEFAULTS = dict(pipeline_class=None, buckets=None, loras=[], cache=None, cp_any_length=False,
-                       parallel_vae=None, plan="default")
+                       parallel_vae=None, plan="default", quantize=None)
 
 
 def load_pipeline(
@@ -439,6 +440,7 @@ def load_pipeline(
     parallel_vae: bool | None = None,
     plan: str = "default",
     transformer: torch.nn.Module | None = None,
+    quantize=None,
 ) -> ParallelPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
@@ -473,13 +475,17 @@ def load_pipeline(
     MiniMax-H3 always, the others from 1024 x 1024). `True` with a VAE it cannot split is refused before any weight
     is read.
 
+    `quantize` ("fp8", "int8", "fp8:64": kind and block width) quantizes the transformer blocks' Linears after
+    sharding, each rank its own shard with the scales one process would use (`parallel/quantize.py`,
+    docs/quantization.md); a block that would straddle a shard is refused before any weight is read.
+
     `transformer` is a prebuilt, unsharded transformer used instead of the folder's weights (`bench device`: a
     full-size one with random weights), for a one-rank image group only and an instance of the folder's class;
     anything else is refused before any weight is read. It is moved to the mesh's device.
     """
     spec, torch_dtype = _spec(model, torch_dtype, dict(
         pipeline_class=pipeline_class, buckets=buckets, loras=loras, cache=cache, cp_any_length=cp_any_length,
-        parallel_vae=parallel_vae, plan=plan))
+        parallel_vae=parallel_vae, plan=plan, quantize=quantize))
     if transformer is not None:
         _check_prebuilt(transformer, spec.checkpoint, mesh)
     return _Recipe(spec, init_distributed() if mesh is None else mesh, torch_dtype).run(transformer)
@@ -517,6 +523,7 @@ class _Recipe:
     def run(self, transformer: torch.nn.Module | None) -> ParallelPipeline:
         self.context_parallel_mode()
         transformer = self.shard_transformer(transformer)
+        self.quantize(transformer)
         self.install_cache(transformer)
         pipe, encoder, follower_vae = self.load_other_components(transformer)
         handle = self.split_vae(pipe)
@@ -543,6 +550,7 @@ class _Recipe:
         the heads is rejected by `from_pretrained` itself, before any weight is read (see `compat/`)."""
         parallel = _parallel_config(self.mesh, self.mode)
         cls, tp_plan = self.checkpoint.transformer_class(), self.spec.tp_plan
+        check_launch_quantize(self.checkpoint, tp_plan, dim_size(self.mesh, "tp"), self.spec.quantize)
         with self.times.phase("load transformer (sharded)"):
             if transformer is None:
                 with using_plan(cls, tp_plan):
@@ -552,6 +560,14 @@ class _Recipe:
             if not parallel:
                 transformer.to(self.device)
         return transformer
+
+    def quantize(self, transformer: torch.nn.Module) -> None:
+        """Each rank's own shards quantized, with the scales one process would use (`parallel/quantize.py`); the
+        blocks were checked against the mesh's TP degree in `shard_transformer`, before any weight was read."""
+        if self.spec.quantize is not None:
+            with self.times.phase("quantize"):
+                quantize_model(transformer, self.spec.quantize, self.spec.tp_plan,
+                               quantize_rules(self.checkpoint.family))
 
     def install_cache(self, transformer: torch.nn.Module) -> None:
         """After sharding (the hooks wrap the coalesced block forwards). The group is every rank that computes this

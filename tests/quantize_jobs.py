@@ -20,13 +20,15 @@ def scheme(family: str, kind: str) -> str:
 
 
 def quantized_predictions(checkpoint, scheme: str, args, kwargs, parallel_config=None) -> tuple[torch.Tensor, ...]:
-    """The transformer of `checkpoint` loaded (sharded by `parallel_config`, or whole), quantized, called once."""
+    """The transformer of `checkpoint` loaded (sharded by `parallel_config`, or whole), quantized (unless `scheme` is
+    None), called once."""
     cls = resolve(checkpoint).transformer_class()
     extra = {} if parallel_config is None else {"parallel_config": parallel_config}
     model = cls.from_pretrained(checkpoint, subfolder="transformer", **extra).eval()
-    quantize_model(model, scheme)
-    with torch.no_grad():
-        return predictions(model(*args, **kwargs))
+    if scheme is not None:
+        quantize_model(model, scheme)
+    with torch.no_grad():  # cloned: under Ulysses the output is an AsyncCollectiveTensor, waited on by any op
+        return tuple(output.clone() for output in predictions(model(*args, **kwargs)))
 
 
 def tp_job(calls: dict) -> dict:
@@ -42,4 +44,23 @@ def tp_job(calls: dict) -> dict:
             for kind in KINDS:
                 record(report, (family, kind), quantized_predictions, checkpoint, scheme(family, kind), args, kwargs,
                        config)
+    return report
+
+
+def layouts_job(calls: dict) -> dict:
+    """On 4 ranks, fp8 only: every family of `calls` at TP=4 and at tp=2 x ulysses=2: `{(family, layout): outputs}`."""
+    from diffusers import ContextParallelConfig, ParallelConfig, TensorParallelConfig
+
+    from neuron_diffusers import init_distributed
+
+    report = {}
+    with one_thread():
+        tp4 = TensorParallelConfig(mesh=init_distributed(tp=4)["tp"])
+        mesh = init_distributed(tp=2, ulysses=2)
+        cp = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=2, mesh=mesh),
+                            tensor_parallel_config=TensorParallelConfig(mesh=mesh["tp"]))
+        for family, (checkpoint, args, kwargs) in calls.items():
+            for layout, config in (("tp4", tp4), ("tp2xulysses2", cp)):
+                record(report, (family, layout), quantized_predictions, checkpoint, scheme(family, "fp8"), args,
+                       kwargs, config)
     return report

@@ -113,6 +113,24 @@ def check(model: torch.nn.Module, plan: dict | None, tp: int, scheme: Quantizati
     return names
 
 
+def check_launch_quantize(checkpoint, plan: dict | None, tp: int, value, loras=()) -> Quantization | None:
+    """`quantize=` of `load_pipeline`, `generate` and `serve`, checked before any weight is read (on the meta-device
+    transformer, with the family's `QUANTIZE` rules): the scheme, or None."""
+    scheme = Quantization.of(value)
+    if scheme is None:
+        return None
+    if list(loras):
+        raise ValueError(f"quantize={scheme} with LoRAs: fusing a LoRA into quantized shards is not supported yet. "
+                         "Drop the LoRAs or the quantization.")
+    check(checkpoint.meta("transformer"), plan, tp, scheme, quantize_rules(checkpoint.family))
+    return scheme
+
+
+def quantize_rules(family) -> tuple[str, ...] | None:
+    """A family's `QUANTIZE` module patterns (its plan file), or None for the default (the blocks' Linears)."""
+    return getattr(getattr(family, "plan_module", None), "QUANTIZE", None)
+
+
 def _largest_block(widths: list[int]) -> int:
     block = 1
     while all(w % (block * 2) == 0 for w in widths) and block * 2 <= DEFAULT_BLOCK:
