@@ -39,12 +39,23 @@ def tp_job(calls: dict) -> dict:
 
     report = {}
     with one_thread():
-        config = TensorParallelConfig(mesh=init_distributed(tp=2)["tp"])
+        mesh = init_distributed(tp=2)
+        config = TensorParallelConfig(mesh=mesh["tp"])
         for family, (checkpoint, args, kwargs) in calls.items():
             for kind in KINDS:
                 record(report, (family, kind), quantized_predictions, checkpoint, scheme(family, kind), args, kwargs,
                        config)
+        record(report, "load_pipeline", _through_load_pipeline, mesh, *calls["flux"])
     return report
+
+
+def _through_load_pipeline(mesh, checkpoint, args, kwargs) -> tuple[torch.Tensor, ...]:
+    """FLUX.1 through `load_pipeline(..., quantize=...)` (its recipe's step), its transformer called once."""
+    from neuron_diffusers import load_pipeline
+
+    pipe = load_pipeline(checkpoint, mesh=mesh, quantize=scheme("flux", "fp8"))
+    with torch.no_grad():
+        return tuple(output.clone() for output in predictions(pipe.pipe.transformer(*args, **kwargs)))
 
 
 def layouts_job(calls: dict) -> dict:

@@ -2,12 +2,19 @@
 process uses, so TP=2 gives the one-process quantized output (float32 compute, 1e-5), while quantizing moves the
 output by more than that (the control: the quantization acts)."""
 
+import re
+
 import pytest
 import quantize_jobs
 from cp_jobs import _padded_text
+from diffusers import FluxTransformer2DModel
 from rank_cases import case
 
-from neuron_diffusers import tiny
+from neuron_diffusers import load_pipeline, tiny
+from neuron_diffusers.checkpoint import resolve
+from neuron_diffusers.compat.plans import tp_plan_of
+from neuron_diffusers.job import Request, output_key
+from neuron_diffusers.parallel.quantize import Quantization, check_launch_quantize, selected_linears
 from neuron_diffusers.tools.plan.cases import reference_call
 
 TOLERANCE = 1e-5
@@ -39,6 +46,60 @@ def test_tp2_equals_one_process_quantized(calls, tp2, family, kind):
     control = _max_diff(one_process, unquantized)
     assert max(diffs) < TOLERANCE
     assert control > TOLERANCE  # the control: quantization moves the output
+
+
+def test_load_pipeline_quantizes_each_shard_like_one_process(calls, tp2):
+    checkpoint, args, kwargs, unquantized = calls["flux"]
+    one_process = quantize_jobs.quantized_predictions(checkpoint, quantize_jobs.scheme("flux", "fp8"), args, kwargs)
+    for outputs in case(tp2, "load_pipeline"):
+        assert _max_diff(outputs, one_process) < TOLERANCE
+    assert _max_diff(one_process, unquantized) > TOLERANCE
+
+
+def test_default_selection_is_the_blocks_linears_without_modulation():
+    meta = resolve("flux").meta("transformer")
+    names = selected_linears(meta, tp_plan_of(meta))
+    assert "transformer_blocks.0.attn.to_q" in names and "single_transformer_blocks.1.proj_out" in names
+    assert not [n for n in names if n.endswith(("norm1.linear", "norm1_context.linear", "norm.linear"))]
+    assert not [n for n in names if not n.startswith(("transformer_blocks.", "single_transformer_blocks."))]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("fp16", "is not a scheme: choose one of fp8, int8"),
+    ("fp8:x", "the block after ':' must be a positive integer"),
+    ("fp8:48", "not multiples of the block (48)"),
+])
+def test_bad_values_are_refused_before_any_weight_is_read(monkeypatch, value, message):
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(FluxTransformer2DModel, "from_pretrained", no_weights)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_pipeline("flux", quantize=value)
+
+
+def test_a_block_straddling_a_row_shard_is_refused_naming_one_that_fits():
+    checkpoint = resolve("flux")
+    with pytest.raises(ValueError, match=re.escape("at tp=4, not multiples of the block (32)")) as error:
+        check_launch_quantize(checkpoint, tp_plan_of(checkpoint.meta("transformer")), 4, "fp8:32")
+    assert "quantize='fp8:16'" in str(error.value)
+
+
+def test_loras_on_quantized_shards_are_refused():
+    with pytest.raises(ValueError, match="fusing a LoRA into quantized shards is not supported yet"):
+        check_launch_quantize(resolve("flux"), None, 1, "fp8", loras=["some.safetensors"])
+
+
+def test_generate_refuses_a_bad_quantize_option(generate_refuses):
+    generate_refuses(["--model", "flux", "--prompt", "a fox", "--quantize", "fp4"], "is not a scheme")
+
+
+def test_quantization_is_part_of_an_outputs_settings_key():
+    checkpoint = resolve("flux")
+    request = Request(0, "a fox", None, seed=0, height=32, width=32, steps=2, guidance=None)
+    plain = output_key(request, checkpoint, "float32", None, [])
+    assert output_key(request, checkpoint, "float32", None, [], Quantization.of("fp8")) != plain
+    assert output_key(request, checkpoint, "float32", None, [], None) == plain  # earlier outputs keep their key
 
 
 #: The family run on 4 ranks (TP=4, and tp=2 x ulysses=2; flux passes too, left out for CI time).
