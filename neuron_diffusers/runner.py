@@ -466,7 +466,8 @@ def load_pipeline(
 
     `plan` names the tensor-parallel plan: "default" (no more collectives per forward than stock, then the least
     memory), "lean" (less memory for more collectives: Qwen-Image-2.1) or "stock" (`plan_variants.py`). `cache` is a
-    diffusers step-cache config, installed with decisions shared by the image group (`parallel/cache.py`).
+    diffusers step-cache config, installed with decisions shared by the image group (`parallel/cache.py`). `quantize`
+    ("fp8", "int8", "fp8:64") quantizes each rank's own shards with one process's scales (docs/quantization.md).
 
     `parallel_vae=True` loads the VAE on every rank of the image group (TP x ring x Ulysses) and splits each decode
     (and each encode of an input image) over the group, with the stock result within float32 rounding
@@ -474,10 +475,6 @@ def load_pipeline(
     where the VAE class can be split and splits the calls where that pays (`parallel.vae.DEFAULT_MIN_PIXELS`:
     MiniMax-H3 always, the others from 1024 x 1024). `True` with a VAE it cannot split is refused before any weight
     is read.
-
-    `quantize` ("fp8", "int8", "fp8:64": kind and block width) quantizes the transformer blocks' Linears after
-    sharding, each rank its own shard with the scales one process would use (`parallel/quantize.py`,
-    docs/quantization.md); a block that would straddle a shard is refused before any weight is read.
 
     `transformer` is a prebuilt, unsharded transformer used instead of the folder's weights (`bench device`: a
     full-size one with random weights), for a one-rank image group only and an instance of the folder's class;
