@@ -123,6 +123,5 @@ def test_fp8_on_four_ranks_equals_one_process(four_rank_calls, four_ranks, famil
     one_process = quantize_jobs.quantized_predictions(checkpoint, quantize_jobs.scheme(family, "fp8"), args, kwargs)
     unquantized = quantize_jobs.quantized_predictions(checkpoint, None, args, kwargs)
     diffs = [_max_diff(outputs, one_process) for outputs in case(four_ranks, (family, layout))]
-    print(family, layout, diffs)
     assert max(diffs) < TOLERANCE
     assert _max_diff(one_process, unquantized) > TOLERANCE
