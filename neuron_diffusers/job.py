@@ -481,7 +481,8 @@ def _plan(args, launch: LaunchSpec, requests: list[Request], true_cfg: frozenset
     """The settings keys, the folder's lock and what is already done: the `JobPlan`."""
     checkpoint, adapter = launch.checkpoint, launch.checkpoint.adapter
     lora_records = launch.lora_records()
-    keys = {r.index: output_key(r, checkpoint, launch.dtype, launch.cache_text, lora_records) for r in requests}
+    keys = {r.index: output_key(r, checkpoint, launch.dtype, launch.cache_text, lora_records,
+                                     launch.quantize) for r in requests}
     job_digest = digest({"outputs": [digest(keys[r.index]) for r in requests]})
     check_unlocked(args.out, job_digest)
     done, broken = scan_outputs({r.index: args.out / r.file_name(adapter.output_suffix) for r in requests}, keys,
@@ -497,13 +498,16 @@ def _plan(args, launch: LaunchSpec, requests: list[Request], true_cfg: frozenset
                    parallel_vae=launch.parallel_vae, tp_plan=launch.plan, launch=launch)
 
 
-def output_key(request: Request, checkpoint: Checkpoint, dtype: str, cache: str | None, loras: list) -> dict:
+def output_key(request: Request, checkpoint: Checkpoint, dtype: str, cache: str | None, loras: list,
+               quantize=None) -> dict:
     """An output's settings key (`outputs.settings_key`), the one rule for the job and the server: the pipeline
-    class when not the index's own (img2img, Kontext...), the cache, and the LoRAs by content and scale."""
+    class when not the index's own (img2img, Kontext...), the cache, the LoRAs by content and scale, and the
+    quantization (`launch.quantize`: its text, e.g. "fp8")."""
     own_class = checkpoint.pipeline_class == checkpoint.pipeline_class_name
     return settings_key(request, model=model_identity(checkpoint.source), dtype=dtype,
                         pipeline=None if own_class else checkpoint.pipeline_class, cache=cache,
-                        loras=[{"sha256": lora["sha256"], "scale": lora["scale"]} for lora in loras])
+                        loras=[{"sha256": lora["sha256"], "scale": lora["scale"]} for lora in loras],
+                        quantize=None if quantize is None else str(quantize))
 
 
 def context_mode(checkpoint: Checkpoint, ulysses: int, ring: int, any_length: bool, *,

@@ -207,7 +207,8 @@ def plan_work(body: ImageRequest, config: ServeConfig, images: tuple[Upload, ...
     loras = _loras(body.loras, config)
     texts = [settings_text(r, model=config.checkpoint.source, pipeline=config.checkpoint.pipeline_class, tp=config.tp,
                            dp=config.replicas, cfg=cfg, dtype=config.dtype, loras=loras,
-                           key=output_key(r, config.checkpoint, config.dtype, config.cache, loras),
+                           key=output_key(r, config.checkpoint, config.dtype, config.cache, loras,
+                                          getattr(config.launch, "quantize", None)),
                            cache=config.cache, ulysses=config.ulysses, ring=config.ring, plan=config.plan)
              for r in requests]
     kwargs = call_kwargs(requests[0], adapter) | ({} if strength is None else {"strength": strength})
