@@ -29,7 +29,7 @@ import PIL.Image
 import torch
 import torch.distributed as dist
 
-from .distributed import default_store
+from .distributed import default_store, wait_keys
 
 #: Seconds a rank waits in `CallEntry.enter` for the rest of its group: far below the collective timeout, far above
 #: the skew between ranks' calls (`generate` returns on every rank of a group together).
@@ -119,11 +119,7 @@ class CallEntry:
             if store.check([state]) and store.get(state) == _ABANDONED:
                 continue  # the others gave up on this call before this rank came: pair up at the next one
             store.set(keys[self.ranks.index(me)], mine)
-            try:
-                store.wait(keys, timeout)
-                arrived = True
-            except dist.DistStoreError:  # the wait expired; the store itself is fine
-                arrived = False
+            arrived = wait_keys(store, keys, timeout.total_seconds())
             outcome = store.compare_set(state, "", _STARTED if arrived else _ABANDONED)
             if outcome == _STARTED:
                 break

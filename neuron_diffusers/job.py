@@ -89,6 +89,7 @@ from .parallel.vae import resolve_parallel_vae
 from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
 from .pipelines.image_inputs import check_image_kwargs
 from .runner import check_context_parallel_call, load_pipeline
+from .stopping import ExitWhenStuck
 from .topology import detect_nodes
 
 JSONL_KEYS = {"prompt", "negative_prompt", "seed", "height", "width", "steps", "guidance", "true_cfg_scale", "image",
@@ -271,13 +272,21 @@ def _number(entry: dict, key: str, default):
     return value
 
 
-def _check_family_keys(entry: dict, adapter) -> None:
+def _given(entry: dict, key: str):
+    """The line's value of `key`: None when absent, True when there but null (given all the same)."""
+    return (True if entry[key] is None else entry[key]) if key in entry else None
+
+
+def _check_family_keys(entry: dict, adapter) -> dict:
     """Per-line settings the family cannot take, refused with the line (the flags get the same checks in
-    `plan_job`)."""
-    check_guidance(adapter, {"'negative_prompt'": entry.get("negative_prompt"),
-                             "'guidance'": True if "guidance" in entry else None,
-                             "'true_cfg_scale'": True if "true_cfg_scale" in entry else None},
-                   where=f"{entry['_where']}: ")
+    `plan_job`); the line with Qwen-Image's `true_cfg_scale` folded into its `guidance` (`check_guidance`)."""
+    guidance, true_cfg = check_guidance(adapter, {"'negative_prompt'": entry.get("negative_prompt"),
+                                                  "'guidance'": _given(entry, "guidance"),
+                                                  "'true_cfg_scale'": _given(entry, "true_cfg_scale")},
+                                        where=f"{entry['_where']}: ")
+    if "true_cfg_scale" in entry and true_cfg is None:
+        entry = {**{key: value for key, value in entry.items() if key != "true_cfg_scale"}, "guidance": guidance}
+    return entry
 
 
 def build_requests(entries: list[dict], *, seed: int, height: int, width: int, steps: int,
@@ -305,7 +314,7 @@ def build_requests(entries: list[dict], *, seed: int, height: int, width: int, s
         check_text(entry["prompt"], f"{entry['_where']}: the prompt")
         if entry.get("negative_prompt") is not None:
             check_text(entry["negative_prompt"], f"{entry['_where']}: the negative prompt")
-        _check_family_keys(entry, adapter)
+        entry = _check_family_keys(entry, adapter)
         request = Request(
             index=index,
             prompt=entry["prompt"],
@@ -403,13 +412,14 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     launch = plan_launch(args, world_size, device_type, steps=args.steps,
                          loras=[parse_lora_option(text) for text in args.lora])
     checkpoint, adapter = launch.checkpoint, launch.checkpoint.adapter
-    check_guidance(adapter, {"--negative-prompt": args.negative_prompt, "--guidance": args.guidance,
-                             "--true-cfg-scale": args.true_cfg_scale})
+    guidance, true_cfg_scale = check_guidance(adapter, {"--negative-prompt": args.negative_prompt,
+                                                        "--guidance": args.guidance,
+                                                        "--true-cfg-scale": args.true_cfg_scale})
     height, width = default_size(args.model)
     requests = build_requests(
         entries, seed=args.seed, height=args.height or height, width=args.width or width,
-        steps=args.steps, guidance=args.guidance, negative_prompt=args.negative_prompt,
-        limits=adapter.size_limits(checkpoint), adapter=adapter, true_cfg_scale=args.true_cfg_scale,
+        steps=args.steps, guidance=guidance, negative_prompt=args.negative_prompt,
+        limits=adapter.size_limits(checkpoint), adapter=adapter, true_cfg_scale=true_cfg_scale,
         max_pixels=args.max_pixels, images=args.image, mask=args.mask, strength=args.strength,
     )
     _check_requests(requests, launch, world_size)
@@ -471,7 +481,8 @@ def _plan(args, launch: LaunchSpec, requests: list[Request], true_cfg: frozenset
     """The settings keys, the folder's lock and what is already done: the `JobPlan`."""
     checkpoint, adapter = launch.checkpoint, launch.checkpoint.adapter
     lora_records = launch.lora_records()
-    keys = {r.index: output_key(r, checkpoint, launch.dtype, launch.cache_text, lora_records) for r in requests}
+    keys = {r.index: output_key(r, checkpoint, launch.dtype, launch.cache_text, lora_records,
+                                     launch.quantize) for r in requests}
     job_digest = digest({"outputs": [digest(keys[r.index]) for r in requests]})
     check_unlocked(args.out, job_digest)
     done, broken = scan_outputs({r.index: args.out / r.file_name(adapter.output_suffix) for r in requests}, keys,
@@ -487,13 +498,16 @@ def _plan(args, launch: LaunchSpec, requests: list[Request], true_cfg: frozenset
                    parallel_vae=launch.parallel_vae, tp_plan=launch.plan, launch=launch)
 
 
-def output_key(request: Request, checkpoint: Checkpoint, dtype: str, cache: str | None, loras: list) -> dict:
+def output_key(request: Request, checkpoint: Checkpoint, dtype: str, cache: str | None, loras: list,
+               quantize=None) -> dict:
     """An output's settings key (`outputs.settings_key`), the one rule for the job and the server: the pipeline
-    class when not the index's own (img2img, Kontext...), the cache, and the LoRAs by content and scale."""
+    class when not the index's own (img2img, Kontext...), the cache, the LoRAs by content and scale, and the
+    quantization (`launch.quantize`: its text, e.g. "fp8")."""
     own_class = checkpoint.pipeline_class == checkpoint.pipeline_class_name
     return settings_key(request, model=model_identity(checkpoint.source), dtype=dtype,
                         pipeline=None if own_class else checkpoint.pipeline_class, cache=cache,
-                        loras=[{"sha256": lora["sha256"], "scale": lora["scale"]} for lora in loras])
+                        loras=[{"sha256": lora["sha256"], "scale": lora["scale"]} for lora in loras],
+                        quantize=None if quantize is None else str(quantize))
 
 
 def context_mode(checkpoint: Checkpoint, ulysses: int, ring: int, any_length: bool, *,
@@ -732,10 +746,13 @@ def _phases(pipe, after_warmup: tuple[dict, dict, dict | None], compile_seconds:
 
 def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> dict:
     """This run's records (`generated` counts them) and, under `images`, every output's record: earlier runs' are
-    kept while their files are there."""
+    kept while their files are there. An output found done on disk with no earlier record (made by an attempt killed
+    before it wrote a summary, e.g. before a torchrun restart) is listed too, with `seconds` unknown (null)."""
     leaders = [entry for entry in gathered if entry is not None]
     new = sorted((image for entry in leaders for image in entry["images"]), key=lambda image: image["index"])
-    images = merge_records(read_summary_images(plan.out_dir / "summary.json"), new, plan.out_dir)
+    suffix = plan.checkpoint.adapter.output_suffix
+    found = [{**asdict(r), "file": r.file_name(suffix), "seconds": None} for r in plan.requests if r.index in plan.done]
+    images = merge_records(found + read_summary_images(plan.out_dir / "summary.json"), new, plan.out_dir)
     return {
         "model": plan.checkpoint.source,
         "checkpoint": str(plan.checkpoint.path),
@@ -804,8 +821,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="guidance scale (FLUX: guidance_scale; Qwen-Image / 2.1: true_cfg_scale)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--true-cfg-scale", type=finite_float, default=None,
-                        help="FLUX.1's true CFG scale (with --negative-prompt); Qwen-Image / 2.1 take it from "
-                             "--guidance")
+                        help="FLUX.1's true CFG scale (with --negative-prompt); for Qwen-Image / 2.1 another name "
+                             "for --guidance")
     parser.add_argument("--height", type=positive_int, default=None)
     parser.add_argument("--width", type=positive_int, default=None)
     parser.add_argument("--max-pixels", type=positive_int, default=DEFAULT_MAX_PIXELS,
@@ -835,8 +852,9 @@ def main(args: argparse.Namespace) -> int:
     # on the way out) instead of dying wherever the signal lands.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        summary = run_job(plan, overwrite=args.overwrite, compile_backend=args.compile, warm=args.warmup,
-                          timeout_s=args.timeout)
+        with ExitWhenStuck():  # ... or, blocked in a collective with a dead peer, end 5 s after the signal
+            summary = run_job(plan, overwrite=args.overwrite, compile_backend=args.compile, warm=args.warmup,
+                              timeout_s=args.timeout)
     except (RuntimeError, dist.DistError) as error:
         # Another rank died and a collective failed or timed out, or an output could not be written (the same
         # error on every rank): what was written is complete (atomic writes), and the same command resumes.

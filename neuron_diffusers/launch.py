@@ -25,6 +25,7 @@ from .parallel import context
 from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import LoadedLora, LoraSpec, check_loras, lora_loader, read_lora
 from .parallel.plan_variants import VARIANTS, variant_plan
+from .parallel.quantize import Quantization, check_launch_quantize
 from .topology import check_node_local, detect_nodes
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -78,6 +79,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, lora_type=None,
     group.add_argument("--warmup", action="store_true",
                        help="with --compile: compile the requested sizes and every text-length bucket before the "
                             "first request (serve always warms up every --sizes entry)")
+    group.add_argument("--quantize", default=None, metavar="KIND[:BLOCK]",
+                       help="fp8 (weights and dynamic activations) or int8 (weight-only) for the transformer blocks' "
+                            "Linears, each rank quantizing its own shard with the scales one process would use, per "
+                            "BLOCK input columns (default 128; docs/quantization.md)")
     group.add_argument("--cache", default=None, metavar="SPEC",
                        help="step cache with decisions shared by each TP group: first-block:THRESHOLD, "
                             "taylorseer:KEY=VALUE,... or mag:KEY=VALUE,... (diffusers' FirstBlockCacheConfig, "
@@ -125,6 +130,8 @@ class LaunchSpec:
     dtype: str | None = None
     #: Text-length buckets overriding the family's (None: the family's; `()`: no padding).
     buckets: tuple[int, ...] | None = None
+    #: Quantized transformer weights (`parallel.quantize.Quantization`), or None.
+    quantize: Quantization | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -140,11 +147,13 @@ class LaunchSpec:
         return [lora.spec.record() for lora in self.loras]
 
 
-def check_guidance(adapter, given: dict, where: str = "") -> None:
+def check_guidance(adapter, given: dict, where: str = "") -> tuple:
     """The guidance-distilled rule, in one place: a family without true CFG takes no negative prompt and no
-    true-CFG scale, one without a guidance kwarg no guidance; and where guidance *is* the true-CFG scale (Qwen-Image),
-    the true-CFG option is refused for the guidance one. `given` maps each option's name as the user wrote it
-    (`--guidance`, `'guidance'`, `guidance_scale`) to its value, in the order negative prompt, guidance, true CFG."""
+    true-CFG scale, one without a guidance kwarg no guidance. Where guidance *is* the true-CFG scale (Qwen-Image),
+    the true-CFG option is stock's own name for it (`QwenImagePipeline(true_cfg_scale=...)`): an alias, folded into
+    guidance, and refused only when both are given with different values. `given` maps each option's name as the
+    user wrote it (`--guidance`, `'guidance'`, `guidance_scale`) to its value, in the order negative prompt,
+    guidance, true CFG. Returns the (guidance, true CFG) values to use."""
     (negative, neg_value), (guidance, guidance_value), (true_cfg, true_value) = given.items()
     distilled = f"{where}{adapter.pipeline_class} is guidance-distilled"
     if neg_value is not None and not adapter.takes_negative_prompt:
@@ -153,11 +162,16 @@ def check_guidance(adapter, given: dict, where: str = "") -> None:
         raise ValueError(f"{distilled}: drop {guidance}.")
     if true_value is not None and not adapter.takes_negative_prompt:
         raise ValueError(f"{distilled} and has no true CFG: drop {true_cfg}.")
-    if true_value is not None and adapter.guidance_kwarg == "true_cfg_scale":
-        value = f"{true_value:g}" if isinstance(true_value, int | float) else str(true_value)
-        setting = f"{guidance}{' ' if guidance.startswith('--') else '='}{value}"
-        raise ValueError(f"{where}For {adapter.pipeline_class}, {guidance} sets true_cfg_scale: use {setting} "
-                         f"instead of {true_cfg}.")
+    if true_value is None or adapter.guidance_kwarg != "true_cfg_scale":
+        return guidance_value, true_value
+    if guidance_value is not None and guidance_value != true_value:
+        raise ValueError(f"{where}For {adapter.pipeline_class}, {guidance} and {true_cfg} both set true_cfg_scale "
+                         f"and differ ({_shown(guidance_value)} vs {_shown(true_value)}): give one of them.")
+    return true_value, None
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
 
 
 def mesh_degrees(args, world_size: int) -> tuple[int, int]:
@@ -235,25 +249,29 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
         check_cache(cache, meta, compiled_block_classes(meta, checkpoint.adapter) if args.compile else None)
     runner_mode(checkpoint, checkpoint.adapter.buckets, args.ulysses, args.ring, args.cp_any_length,
                 compiled=bool(args.compile))
+    quantize = check_launch_quantize(checkpoint, tp_plan, tp, getattr(args, "quantize", None), loras)
     return LaunchSpec(checkpoint, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
                       mesh_order=args.mesh_order, cross_node=args.cross_node, cp_any_length=args.cp_any_length,
                       plan=args.plan, tp_plan=tp_plan,
                       cache=cache, cache_text=args.cache, parallel_vae=args.parallel_vae,
                       compile=args.compile, warmup=args.warmup, dtype=default_dtype(args.dtype, device_type),
-                      loras=read_loras(checkpoint, loras))
+                      loras=read_loras(checkpoint, loras), quantize=quantize)
 
 
 def spec_for(model, *, torch_dtype=None, pipeline_class=None, buckets=None, loras=(), cache=None,
-             cp_any_length: bool = False, parallel_vae: bool | None = None, plan: str = "default") -> LaunchSpec:
-    """`load_pipeline`'s keyword arguments as a checked spec (the mesh's degrees are filled in at load)."""
+             cp_any_length: bool = False, parallel_vae: bool | None = None, plan: str = "default",
+             quantize=None) -> LaunchSpec:
+    """`load_pipeline`'s keyword arguments as a checked spec (the mesh's degrees are filled in at load; the
+    quantization's blocks are checked against them there)."""
     checkpoint = resolve(model, pipeline_class)
     tp_plan = variant_plan(checkpoint.family, plan)
+    quantize = check_launch_quantize(checkpoint, tp_plan, 1, quantize, loras)
     if cache is not None:
         check_cache(cache, checkpoint.meta("transformer"))
     dtype = None if torch_dtype is None else str(torch_dtype).removeprefix("torch.")
     return LaunchSpec(checkpoint, cp_any_length=cp_any_length, plan=plan, tp_plan=tp_plan, cache=cache,
                       parallel_vae=parallel_vae, loras=read_loras(checkpoint, loras), dtype=dtype,
-                      buckets=None if buckets is None else tuple(buckets))
+                      buckets=None if buckets is None else tuple(buckets), quantize=quantize)
 
 
 def with_cfg(spec: LaunchSpec, cfg: int) -> LaunchSpec:

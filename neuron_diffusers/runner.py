@@ -57,6 +57,7 @@ from .parallel import context
 from .parallel.cache import GroupCache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
 from .parallel.lora import FusedLoras
+from .parallel.quantize import check_launch_quantize, quantize_model, quantize_rules
 from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
 from .pipelines.base import SizeLimits, check_seeds, check_text
@@ -423,7 +424,7 @@ def _check_prebuilt(transformer: torch.nn.Module, checkpoint: Checkpoint, mesh: 
 
 #: `load_pipeline`'s keyword arguments that a `LaunchSpec` holds, with their defaults.
 _FRONT_DEFAULTS = dict(pipeline_class=None, buckets=None, loras=[], cache=None, cp_any_length=False,
-                       parallel_vae=None, plan="default")
+                       parallel_vae=None, plan="default", quantize=None)
 
 
 def load_pipeline(
@@ -439,6 +440,7 @@ def load_pipeline(
     parallel_vae: bool | None = None,
     plan: str = "default",
     transformer: torch.nn.Module | None = None,
+    quantize=None,
 ) -> ParallelPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
@@ -464,7 +466,8 @@ def load_pipeline(
 
     `plan` names the tensor-parallel plan: "default" (no more collectives per forward than stock, then the least
     memory), "lean" (less memory for more collectives: Qwen-Image-2.1) or "stock" (`plan_variants.py`). `cache` is a
-    diffusers step-cache config, installed with decisions shared by the image group (`parallel/cache.py`).
+    diffusers step-cache config, installed with decisions shared by the image group (`parallel/cache.py`). `quantize`
+    ("fp8", "int8", "fp8:64") quantizes each rank's own shards with one process's scales (docs/quantization.md).
 
     `parallel_vae=True` loads the VAE on every rank of the image group (TP x ring x Ulysses) and splits each decode
     (and each encode of an input image) over the group, with the stock result within float32 rounding
@@ -479,7 +482,7 @@ def load_pipeline(
     """
     spec, torch_dtype = _spec(model, torch_dtype, dict(
         pipeline_class=pipeline_class, buckets=buckets, loras=loras, cache=cache, cp_any_length=cp_any_length,
-        parallel_vae=parallel_vae, plan=plan))
+        parallel_vae=parallel_vae, plan=plan, quantize=quantize))
     if transformer is not None:
         _check_prebuilt(transformer, spec.checkpoint, mesh)
     return _Recipe(spec, init_distributed() if mesh is None else mesh, torch_dtype).run(transformer)
@@ -517,6 +520,7 @@ class _Recipe:
     def run(self, transformer: torch.nn.Module | None) -> ParallelPipeline:
         self.context_parallel_mode()
         transformer = self.shard_transformer(transformer)
+        self.quantize(transformer)
         self.install_cache(transformer)
         pipe, encoder, follower_vae = self.load_other_components(transformer)
         handle = self.split_vae(pipe)
@@ -543,6 +547,7 @@ class _Recipe:
         the heads is rejected by `from_pretrained` itself, before any weight is read (see `compat/`)."""
         parallel = _parallel_config(self.mesh, self.mode)
         cls, tp_plan = self.checkpoint.transformer_class(), self.spec.tp_plan
+        check_launch_quantize(self.checkpoint, tp_plan, dim_size(self.mesh, "tp"), self.spec.quantize)
         with self.times.phase("load transformer (sharded)"):
             if transformer is None:
                 with using_plan(cls, tp_plan):
@@ -552,6 +557,14 @@ class _Recipe:
             if not parallel:
                 transformer.to(self.device)
         return transformer
+
+    def quantize(self, transformer: torch.nn.Module) -> None:
+        """Each rank's own shards quantized, with the scales one process would use (`parallel/quantize.py`); the
+        blocks were checked against the mesh's TP degree in `shard_transformer`, before any weight was read."""
+        if self.spec.quantize is not None:
+            with self.times.phase("quantize"):
+                quantize_model(transformer, self.spec.quantize, self.spec.tp_plan,
+                               quantize_rules(self.checkpoint.family))
 
     def install_cache(self, transformer: torch.nn.Module) -> None:
         """After sharding (the hooks wrap the coalesced block forwards). The group is every rank that computes this

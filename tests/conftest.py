@@ -1,13 +1,20 @@
 """Shared fixtures: tiny checkpoints built once per session, a hermetic model cache, and the bad-input check of
 the `generate` command."""
 
+import contextlib
 import os
 
-import pytest
+# One intra-op thread per process, as torchrun sets for several ranks: the suite's ranks, CLI children and this process
+# share 2 cores in CI, where each process's default thread per core made them spin against each other (measured on a
+# busy machine: tests/test_tensor_parallel.py's rank jobs 2-3x faster, 25% less CPU in all). Set before torch is
+# imported, so it holds in this process too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from neuron_diffusers import tiny
-from neuron_diffusers.cli import main
-from neuron_diffusers.tools.spawn import RankPools
+import pytest  # noqa: E402
+
+from neuron_diffusers import tiny  # noqa: E402
+from neuron_diffusers.cli import main  # noqa: E402
+from neuron_diffusers.tools.spawn import RankPools  # noqa: E402
 
 IMAGE_FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21")
 
@@ -34,6 +41,23 @@ def rank_pool():
     pools = RankPools(collective_timeout_s=300.0)
     yield pools
     pools.close()
+
+
+@pytest.fixture(scope="session")
+def pooled(rank_pool):
+    """`with pooled(module):` a tool's own spawn (`module.run_on_cpu_ranks`, e.g. `plan verify`'s) runs its rank job on
+    the session's `rank_pool` instead: the same function on as many gloo ranks, minus a spawn's imports. For tools
+    whose rank jobs only compute and return (not those that measure a fresh process's memory)."""
+    @contextlib.contextmanager
+    def on_pool(module):
+        def run(fn, world_size, *args, timeout_s: float = 300.0, collective_timeout_s: float | None = None):
+            return rank_pool.run(fn, world_size, *args, timeout_s=timeout_s)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(module, "run_on_cpu_ranks", run)
+            yield
+
+    return on_pool
 
 
 @pytest.fixture(autouse=True)

@@ -343,7 +343,8 @@ def test_pair_work_alternates_requests_without_true_cfg():
 BAD_CFG_INPUT = {
     "world not divisible by 2 x tp": (["--cfg-parallel", "--negative-prompt", "blurry", "--true-cfg-scale", "4"],
                                       "--cfg-parallel with --tp 1 needs a multiple of 2 x 1 = 2 ranks"),
-    "true cfg scale for Qwen-Image": (["--model", "qwenimage", "--true-cfg-scale", "4"], "use --guidance 4"),
+    "two true cfg scales for Qwen-Image": (["--model", "qwenimage", "--guidance", "3", "--true-cfg-scale", "4"],
+                                           "--guidance and --true-cfg-scale both set true_cfg_scale and differ"),
     "true cfg scale for FLUX.2": (["--model", "flux2", "--true-cfg-scale", "4"], "has no true CFG"),
 }
 

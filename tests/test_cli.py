@@ -39,6 +39,12 @@ def _run(out, *extra, ranks=None, expect=0):
     return result
 
 
+def _run_here(out, *extra, capsys) -> str:
+    """The one-process job, in this process (the same `main`; no interpreter start, seconds of imports): its stdout."""
+    assert main(["generate", "--out", str(out), *extra]) == 0
+    return capsys.readouterr().out
+
+
 def _pixels(path):
     return np.asarray(Image.open(path).convert("RGB"), dtype=np.float64) / 255
 
@@ -123,10 +129,11 @@ def test_job_configurations_give_stock_latents(job_latents, stock_flux, layout):
         assert difference < LATENT_TOLERANCE, f"request {index}: latents differ from stock by {difference:.1e}"
 
 
-def test_tp2_jsonl_matches_single_process_with_per_line_seeds(tmp_path, prompts_jsonl, job_latents, stock_flux):
+def test_tp2_jsonl_matches_single_process_with_per_line_seeds(tmp_path, prompts_jsonl, job_latents, stock_flux,
+                                                              capsys):
     tp2, single = tmp_path / "tp2", tmp_path / "single"
     _run(tp2, "--prompts", str(prompts_jsonl), "--tp", "2", ranks=2)
-    _run(single, "--prompts", str(prompts_jsonl))
+    _run_here(single, "--prompts", str(prompts_jsonl), capsys=capsys)
     names = ["00000-a-red-fox-in-the-snow.png", "00001-a-blue-bird.png", "00002-a-green-frog-on-a-leaf.png"]
     assert _pngs(tp2) == _pngs(single) == names
     references = [Image.open(single / name).convert("RGB") for name in names]
@@ -148,7 +155,7 @@ def test_tp2_jsonl_matches_single_process_with_per_line_seeds(tmp_path, prompts_
     assert not list(tp2.glob(".*")), "temporary files left behind"
 
 
-def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path, job_latents, stock_flux):
+def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path, job_latents, stock_flux, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(DP2_PROMPTS)
     out = tmp_path / "out"
@@ -158,7 +165,7 @@ def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path, job_latents, stock_flu
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mesh"]["shape"] == [2, 1] and len(summary["phases_per_tp_group"]) == 2
     single = tmp_path / "single"
-    _run(single, "--prompt", "a blue bird", "--seed", "1")  # image 1 of the file: seed 0 + 1
+    _run_here(single, "--prompt", "a blue bird", "--seed", "1", capsys=capsys)  # image 1 of the file: seed 0 + 1
     reference = Image.open(single / "00000-a-blue-bird.png").convert("RGB")
     _assert_png_bar_sees_another_prompt(_stock_png(stock_flux, job_latents("dp2")[1], OTHER_PROMPT), reference)
     _assert_png_matches(out / "00001-a-blue-bird.png", reference)
@@ -167,8 +174,7 @@ def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path, job_latents, stock_flu
     result = _run(out, "--prompts", str(prompts), "--tp", "1", ranks=2)
     assert "wrote 0 of 3" in result.stdout and "nothing left to generate" in result.stdout
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.png")} == written
-    result = _run(out, "--prompt", "a red fox", "--overwrite")
-    assert "wrote 1 of 1" in result.stdout
+    assert "wrote 1 of 1" in _run_here(out, "--prompt", "a red fox", "--overwrite", capsys=capsys)
 
 
 

@@ -70,8 +70,9 @@ def test_failed_setup_restores_classes_and_hooks(rank_pool, tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def full_depth():
-    return bench_collectives.measure(tp=2, repeats=1, depth="full")
+def full_depth(pooled):
+    with pooled(bench_collectives):  # its rank job on the session's 2 ranks, not a spawn of its own
+        return bench_collectives.measure(tp=2, repeats=1, depth="full")
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)

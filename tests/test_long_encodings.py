@@ -13,7 +13,6 @@ from image_jobs import PROMPT, input_image
 
 from neuron_diffusers import tiny
 from neuron_diffusers.pipelines.qwenimage21 import QwenImage21Adapter
-from neuron_diffusers.tools.spawn import run_on_cpu_ranks
 
 #: The issue's case: a 64x64 input image and the stock call's own image sizing (no `output_resolution`).
 CALL = {"height": 32, "width": 32, "num_inference_steps": 2}
@@ -101,8 +100,8 @@ def stock(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def tp2(checkpoint):
-    return run_on_cpu_ranks(_tp2_run, 2, checkpoint, 1, timeout_s=600)
+def tp2(checkpoint, rank_pool):
+    return rank_pool.run(_tp2_run, 2, checkpoint, 1, timeout_s=600)
 
 
 def test_qwenimage21_encoding_past_the_largest_bucket_is_padded_not_refused(stock, tp2):

@@ -7,7 +7,7 @@ import torch
 from diffusers.hooks.tensor_parallel import PackedRowwiseParallel
 
 from neuron_diffusers.cli import main
-from neuron_diffusers.drafting import draft_plan, tiny
+from neuron_diffusers.drafting import draft_plan, proof, tiny
 from neuron_diffusers.drafting.context import draft_cp_plans, plan_text
 from neuron_diffusers.drafting.proof import verify_cp, verify_drafts
 from neuron_diffusers.drafting.tiny import tiny_case, tiny_config
@@ -32,8 +32,9 @@ def _tiny_draft(case):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Every class's draft, and two wrong drafts, at TP=2 in ONE spawn of 2 CPU ranks (a spawn costs seconds)."""
+def results(tmp_path_factory, pooled):
+    """Every class's draft, and two wrong drafts, at TP=2 in ONE job of the session's 2 ranks (a spawn costs
+    seconds)."""
     entries = {}
     for name in HAND_PLANNED:
         case = build_case(name, tmp_path_factory.mktemp(name))
@@ -45,7 +46,8 @@ def results(tmp_path_factory):
     # passes; only the numbers tell.
     swapped = {"single_transformer_blocks.*.proj_out": PackedRowwiseParallel([4, 1])}
     entries["packed parts swapped"] = (flux_case, {**flux_plan, **swapped})
-    return verify_drafts(entries)
+    with pooled(proof):
+        return verify_drafts(entries)
 
 
 @pytest.mark.parametrize("name", HAND_PLANNED)
@@ -126,9 +128,9 @@ def test_cli_refuses_a_model_and_all_together(capsys):
 
 
 @pytest.fixture(scope="module")
-def wan_cp(tmp_path_factory):
+def wan_cp(tmp_path_factory, pooled):
     """Wan's tiny instance: its CP candidates, and the drafted CP plan and a wrong one at tp=2 x ulysses=2 in ONE
-    spawn of 4 CPU ranks."""
+    job of the session's 4 ranks."""
     case = tiny_case(diffusers.WanTransformer3DModel, tmp_path_factory.mktemp("wan"))
     model = diffusers.WanTransformer3DModel.from_pretrained(case.checkpoint, subfolder="transformer").eval()
     drafted = draft_cp_plans(model, case.kwargs, case.args)
@@ -136,7 +138,8 @@ def wan_cp(tmp_path_factory):
     # Wrong: the cross-attention text split too, where Wan's processor attends each query to the whole text.
     entries = {"drafted": (case, tp_plan, drafted.candidates),
                "text split": (case, tp_plan, {"text split": drafted.candidates["blocks, text split"]})}
-    return drafted, verify_cp(entries)
+    with pooled(proof):
+        return drafted, verify_cp(entries)
 
 
 def test_cp_draft_splits_flowing_inputs_once_and_shared_inputs_at_every_block(wan_cp):

@@ -4,6 +4,7 @@ import pytest
 from diffusers.hooks.tensor_parallel import PackedRowwiseParallel
 
 from neuron_diffusers.cli import main
+from neuron_diffusers.tools.plan import verify
 from neuron_diffusers.tools.plan.check import check_plan
 from neuron_diffusers.tools.plan.meta import meta_transformer
 from neuron_diffusers.tools.plan.verify import DEFAULT_TOLERANCE, verify_plans
@@ -14,10 +15,12 @@ NO_ROWWISE_PARTNER = {rule: style for rule, style in PLAN.items() if rule != "tr
 
 
 @pytest.fixture(scope="module")
-def results():
-    """Every plan at TP=2 and TP=4 in one spawn of 4 CPU ranks (each spawn costs seconds of imports)."""
+def results(pooled):
+    """Every plan at TP=2 and TP=4 in one job of the session's 4 ranks (a spawn of its own costs seconds of
+    imports)."""
     plans = {"ours": PLAN, "wrong proportions": WRONG_PROPORTIONS, "no rowwise partner": NO_ROWWISE_PARTNER}
-    return verify_plans("hunyuanvideo", plans, degrees=(2, 4))
+    with pooled(verify):
+        return verify_plans("hunyuanvideo", plans, degrees=(2, 4))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -40,8 +43,9 @@ def test_a_colwise_without_its_rowwise_partner_is_caught_by_both(results, tp):
     assert "shapes cannot be multiplied" in results["no rowwise partner"][tp]["error"]
 
 
-def test_cli_verifies_a_shipped_family_on_its_tiny_pipeline(capsys):
-    assert main(["plan", "verify", "flux", "--tp", "2"]) == 0
+def test_cli_verifies_a_shipped_family_on_its_tiny_pipeline(capsys, pooled):
+    with pooled(verify):
+        assert main(["plan", "verify", "flux", "--tp", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("flux plan on a tiny random FluxTransformer2DModel")
     assert out.rstrip().endswith(f"OK: within {DEFAULT_TOLERANCE:g} at every degree")

@@ -27,15 +27,19 @@ PROMPT, OTHER_PROMPT = runner_jobs.PROMPT, "a blue bird over the sea"
 #: The audio is compared at a tenth of that, as another prompt moves it by only ~2e-4 (TP=2: 6e-8).
 TOLERANCE = {"image": 1e-4, "frames": 1e-4, "audio": 1e-5}
 _STOCK = {}
+#: Each family's smallest call; Wan's with 9 frames (3 latent frames) instead of its default 81, whose decoding
+#: (twice in this process, once on the leader) costs seconds and tells nothing more here.
+CALLS = {family: {**tiny.smallest_call(family), **({"num_frames": 9} if family == "wan" else {})}
+         for family in tiny.FAMILIES}
 
 
 def stock_output(checkpoint, family, call=None, prompt=PROMPT):
     """What the stock pipeline, alone in one process, makes of `prompt` with the same seed, size and steps (`call`,
-    default: the family's smallest call): the float image (`output_type="np"`), or MiniMax-H3's float frames and
+    default: the family's `CALLS` entry): the float image (`output_type="np"`), or MiniMax-H3's float frames and
     audio. Made once per session and argument set (test_parallel_vae.py reuses them)."""
     from diffusers import DiffusionPipeline
 
-    call = tiny.smallest_call(family) if call is None else call
+    call = CALLS[family] if call is None else call
     key = (str(checkpoint), family, tuple(sorted(call.items())), prompt)
     if key in _STOCK:
         return _STOCK[key]
@@ -80,7 +84,7 @@ def runner_reports(tiny_checkpoint, rank_pool):
     def get(family):
         if family not in made:
             made[family] = rank_pool.run(runner_jobs.runner_checks, 2, family, tiny_checkpoint(family),
-                                         tiny.smallest_call(family), timeout_s=600)
+                                         CALLS[family], timeout_s=600)
         return made[family]
 
     return get

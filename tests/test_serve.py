@@ -1,10 +1,11 @@
 """`neuron-diffusers serve`: request checks and the HTTP layer in one process, then the real server under torchrun
-(TP=2) in one fat test: the CLI job's image for the same seed, concurrency, refusals, a full queue, SIGTERM."""
+(TP=2) in one fat test: the job's image for the same seed, concurrency, refusals, a full queue, SIGTERM."""
 
 import asyncio
 import base64
 import dataclasses
 import io
+import json
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import httpx
 import lora_files
 import numpy as np
 import pytest
+import rank_jobs
 import serve_jobs
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -80,24 +82,68 @@ def test_family_rules_and_compiled_sizes():
 
 def _job_guidance(model, guidance=None, true_cfg_scale=None):
     """The job's rule on its flags (`generate --guidance G --true-cfg-scale T`)."""
-    check_guidance(resolve(model).adapter, {"--negative-prompt": None, "--guidance": guidance,
-                                            "--true-cfg-scale": true_cfg_scale})
+    return check_guidance(resolve(model).adapter, {"--negative-prompt": None, "--guidance": guidance,
+                                                   "--true-cfg-scale": true_cfg_scale})
 
 
 def _server_guidance(model, guidance=None, true_cfg_scale=None):
-    plan_work(ImageRequest(prompt="a fox", guidance_scale=guidance, true_cfg_scale=true_cfg_scale), _config(model))
+    return plan_work(ImageRequest(prompt="a fox", guidance_scale=guidance, true_cfg_scale=true_cfg_scale),
+                     _config(model)).kwargs
 
 
-@pytest.mark.parametrize("apply, guidance, true_cfg", [(_job_guidance, "--guidance 3", "--true-cfg-scale"),
-                                                       (_server_guidance, "guidance_scale=3", "true_cfg_scale")])
-def test_the_job_and_the_server_take_guidance_by_one_rule(apply, guidance, true_cfg):
-    """Qwen-Image's true CFG scale is set by the guidance option in both, and the true-CFG one is refused with the
-    same message in each one's own names. Controls: its guidance is taken, and FLUX.1 takes a true-CFG scale."""
-    with pytest.raises(ValueError, match=f"QwenImagePipeline, {guidance.split()[0].split('=')[0]} sets "
-                                         f"true_cfg_scale: use {guidance} instead of {true_cfg}"):
-        apply("qwenimage", true_cfg_scale=3.0)
-    apply("qwenimage", guidance=3.0)
-    apply("flux", true_cfg_scale=3.0)
+@pytest.mark.parametrize("apply, guidance, true_cfg", [(_job_guidance, "--guidance", "--true-cfg-scale"),
+                                                       (_server_guidance, "guidance_scale", "true_cfg_scale")])
+def test_the_job_and_the_server_refuse_two_different_qwenimage_guidances_by_one_rule(apply, guidance, true_cfg):
+    """Qwen-Image's true CFG scale has two names (guidance, and stock's true_cfg_scale): given different values in
+    one call they are refused with the same message in each one's own names. Controls: the same value twice is
+    taken, and FLUX.1 (where the two are different settings) takes different values."""
+    with pytest.raises(ValueError, match=f"QwenImagePipeline, {guidance} and {true_cfg} both set true_cfg_scale "
+                                         r"and differ \(3 vs 4\): give one of them"):
+        apply("qwenimage", guidance=3.0, true_cfg_scale=4.0)
+    apply("qwenimage", guidance=3.0, true_cfg_scale=3.0)
+    apply("flux", guidance=3.0, true_cfg_scale=4.0)
+
+
+def _job_digest(tmp_path, *argv, line: dict | None = None) -> str:
+    """The settings digest of `generate --model qwenimage ARGV` (or of one .jsonl `line`), planned on one rank: no
+    weight is read, nothing is written."""
+    from neuron_diffusers.cli import _parser
+    from neuron_diffusers.job import plan_job
+
+    prompts = ["--prompt", "a fox"]
+    if line is not None:
+        (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "a fox", **line}) + "\n")
+        prompts = ["--prompts", str(tmp_path / "prompts.jsonl")]
+    args = _parser().parse_args(["generate", "--model", "qwenimage", *prompts, "--negative-prompt", "blur",
+                                 "--out", str(tmp_path / "out"), *argv])
+    return plan_job(args, 1, "cpu").job_digest
+
+
+def _server_digest(**guidance) -> str:
+    work = plan_work(ImageRequest(prompt="a fox", negative_prompt="blur", seed=0, **guidance), _config("qwenimage"))
+    return work.texts[0]["settings_digest"]
+
+
+def _digests(tmp_path, where: str) -> list[str]:
+    """Settings digests of true_cfg_scale 4, guidance 4 and guidance 5, as the job's flags, a job's line or a
+    request."""
+    if where == "job flags":
+        return [_job_digest(tmp_path, flag, value) for flag, value in
+                (("--true-cfg-scale", "4"), ("--guidance", "4"), ("--guidance", "5"))]
+    if where == "job line":
+        return [_job_digest(tmp_path, line={key: value}) for key, value in
+                (("true_cfg_scale", 4.0), ("guidance", 4.0), ("guidance", 5.0))]
+    return [_server_digest(**{key: value}) for key, value in
+            (("true_cfg_scale", 4.0), ("guidance_scale", 4.0), ("guidance_scale", 5.0))]
+
+
+@pytest.mark.parametrize("where", ["job flags", "job line", "server"])
+def test_qwenimage_takes_true_cfg_scale_as_another_name_for_its_guidance(tmp_path, where):
+    """Stock QwenImagePipeline's own kwarg name, true_cfg_scale, makes the same settings (digest) as the guidance
+    option; control: another guidance makes another digest."""
+    true_cfg, guidance, other = _digests(tmp_path, where)
+    assert true_cfg == guidance
+    assert other != guidance
 
 
 def test_a_request_is_the_jobs_request_with_the_same_text_chunks():
@@ -391,13 +437,12 @@ def _b64_pixels(item) -> tuple[np.ndarray, dict]:
 
 
 @pytest.fixture(scope="module")
-def job_image(tmp_path_factory):
-    """The CLI job's image at TP=2, to compare the servers' with."""
+def job_image(tmp_path_factory, rank_pool):
+    """The job's image at TP=2, to compare the servers' with: `generate`'s own plan and run on the session's 2 ranks,
+    as torchrun's ranks run them (no launch of its own: each costs seconds of imports)."""
     out = tmp_path_factory.mktemp("job")
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
-                          "neuron_diffusers", "generate", "--prompt", "a red fox", "--seed", "7", "--steps", "2",
-                          "--tp", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert job.returncode == 0, job.stderr[-3000:]
+    rank_pool.run(rank_jobs._job_outputs, 2, ["--prompt", "a red fox", "--seed", "7", "--steps", "2", "--tp", "2",
+                                              "--out", str(out)], timeout_s=300)
     return Image.open(out / "00000-a-red-fox.png")
 
 
@@ -410,7 +455,7 @@ def test_server_under_torchrun_tp2(job_image):
             first = client.post(url, json={"prompt": "a red fox", "seed": 7})
             assert first.status_code == 200, first.text
             pixels, text = _b64_pixels(first.json()["data"][0])
-            assert np.array_equal(pixels, np.asarray(job_image.convert("RGB"))), "not the CLI job's image"
+            assert np.array_equal(pixels, np.asarray(job_image.convert("RGB"))), "not the job's image"
             assert text["settings_digest"] == job_image.text["settings_digest"] and text["tp"] == "2"
 
             refused = [client.post(url, content=b'{"prompt": "a fox",', headers={"content-type": "application/json"}),

@@ -56,13 +56,20 @@ def _hang_on_rank_1():
     return "rank 0 done"
 
 
-@pytest.fixture(scope="module")
-def pool():
-    from neuron_diffusers.tools.spawn import RankPool
+class _SessionPool:
+    """The session's 2 ranks as a `RankPool` (`run(fn, *args)`): already up, so only the ranks these tests kill are
+    spawned again (each spawn costs seconds of imports), and the jobs after them find fresh ranks as any would."""
 
-    pool = RankPool(2, collective_timeout_s=60, failure_grace_s=3)
-    yield pool
-    pool.close()
+    def __init__(self, pools):
+        self.pools = pools
+
+    def run(self, fn, *args, timeout_s: float = 300.0):
+        return self.pools.run(fn, 2, *args, timeout_s=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def pool(rank_pool):
+    return _SessionPool(rank_pool)
 
 
 def test_a_pool_runs_jobs_on_the_same_ranks(pool):

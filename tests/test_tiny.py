@@ -1,7 +1,9 @@
 """Tiny offline checkpoints: built deterministically, loaded back by the stock loaders, runnable."""
 
 import json
+import os
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -98,21 +100,21 @@ def test_h3_load_names_a_component_that_did_not_load(tmp_path, tiny_checkpoint):
         checkpoint.adapter.load_stock(checkpoint)
 
 
-def _build_on_rank_1():
+def _build_on_rank_1(cache: str):
+    """Rank 1 builds the tiny FLUX.1 into the empty `cache` (this rank's cache for the job only: a pool rank runs
+    other jobs next)."""
     import torch.distributed as dist
 
     from neuron_diffusers import tiny
 
     if dist.get_rank() != 1:  # rank 1 alone builds: the rank whose weights transformers would not write
         return None
-    path = tiny.cached_tiny("flux")
+    with mock.patch.dict(os.environ, {"NEURON_DIFFUSERS_CACHE": cache}):
+        path = tiny.cached_tiny("flux")
     return sorted(p.name for p in (path / "text_encoder").iterdir())
 
 
-def test_cached_tiny_inside_a_process_group_writes_every_weight(tmp_path, monkeypatch):
+def test_cached_tiny_inside_a_process_group_writes_every_weight(tmp_path, rank_pool):
     """transformers' `save_pretrained` skips weights on ranks != 0 inside a process group; the cache must not."""
-    from neuron_diffusers.tools.spawn import run_on_cpu_ranks
-
-    monkeypatch.setenv("NEURON_DIFFUSERS_CACHE", str(tmp_path / "cache"))
-    _, files = run_on_cpu_ranks(_build_on_rank_1, 2)
+    _, files = rank_pool.run(_build_on_rank_1, 2, str(tmp_path / "cache"))
     assert "model.safetensors" in files

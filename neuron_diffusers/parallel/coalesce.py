@@ -72,6 +72,9 @@ def gather_columns(local_outputs: list[torch.Tensor], mesh) -> list[torch.Tensor
 
 
 def _local_linear(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    hoisted_local = getattr(linear, "hoisted_local", None)  # a quantized shard (`parallel/quantize.py`)
+    if hoisted_local is not None:
+        return hoisted_local(x)
     bias = linear.bias.to_local() if linear.bias is not None else None
     return F.linear(x, linear.weight.to_local(), bias)
 
@@ -184,7 +187,7 @@ class HoistModulation(ModelHook):
         activated = F.silu(output)
         inputs = []
         for linear in self.linears:
-            x = activated.to(linear.weight.dtype)
+            x = activated.to(getattr(linear, "compute_dtype", linear.weight.dtype))  # quantized: the model's
             inputs.append(x.chunk(2, dim=0)[0] if linear._nd_hoist.first_half else x)
         local = [_local_linear(linear, x) for linear, x in zip(self.linears, inputs, strict=True)]
         for linear, x, full in zip(self.linears, inputs, gather_columns(local, self.mesh), strict=True):

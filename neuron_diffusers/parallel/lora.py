@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import families
 from ..compat import plans as compat_plans
 from ..compat import tp_loading
+from .quantize import is_quantized
 
 #: The adapter name PEFT injects under in the meta-device copy that reports each module's scaling.
 _ADAPTER = "neuron_diffusers"
@@ -508,6 +509,9 @@ class FusedLoras:
 
     def _layout(self, name: str) -> tuple[int | None, list[int] | None, object]:
         """How module `name`'s weight is split over the ranks: (dim, block sizes, mesh), or (None, None, None)."""
+        if is_quantized(self._modules[name]):
+            raise LoraError(f"{name} holds quantized weights (quantize={self._modules[name].scheme}): fusing a LoRA "
+                            "into quantized shards is not supported yet. Load without `quantize` to use LoRAs.")
         weight = self._modules[name].weight
         if not isinstance(weight, DTensor) or all(isinstance(p, Replicate) for p in weight.placements):
             return None, None, None

@@ -35,7 +35,6 @@ from ..distributed import (
     default_store,
     detect_runtime,
     init_distributed,
-    leave_together,
 )
 from ..job import DEFAULT_MAX_PIXELS, check_mesh, check_out_dir, context_mode, out_folder
 from ..launch import DTYPES as DTYPES  # re-exported: serve's options took it from the job
@@ -231,11 +230,9 @@ def main(args: argparse.Namespace) -> int:
         return 1
     if front is not None:
         front.join()
-    liveness.leave()
-    if liveness.failure is not None:  # a rank died while the queue drained after a SIGTERM
-        return 1
-    leave_together(args.timeout)
-    return 0
+    # Every rank past its last task, watched meanwhile: a rank that died while the queue drained after a SIGTERM
+    # (torchrun's, when a peer was killed) ends this with exit 1 within --peer-timeout.
+    return 0 if liveness.leave_together(runtime.world_size, args.timeout) else 1
 
 
 def _listen(host: str, port: int) -> socket.socket:

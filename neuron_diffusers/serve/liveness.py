@@ -37,6 +37,10 @@ def _left(rank: int) -> str:
     return f"{PREFIX}/left/{rank}"
 
 
+def _done(rank: int) -> str:
+    return f"{PREFIX}/done/{rank}"
+
+
 class Liveness:
     """This rank's heartbeat and its watch over the ranks it depends on; `failure` says why serving must end."""
 
@@ -63,6 +67,37 @@ class Liveness:
             self.store.set(_left(self.rank), "1")
         except dist.DistError:  # the store is gone: nobody is left to tell
             pass
+
+    def leave_together(self, world_size: int, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until every rank of the world is done, still beating and watching: a rank that
+        died meanwhile (a peer SIGKILLed, then torchrun's SIGTERM drained this one) ends the wait within
+        `dead_after_s`, not `timeout_s`. Rank 0 says it is done once every other rank has, and leaves last, once
+        each has seen that: without torchrun it hosts the store, which must outlive every rank's last look. Polls
+        (a blocking wait would hold the store client the heartbeat needs, see `channel.py`). False when some rank
+        did not come."""
+        deadline = time.monotonic() + timeout_s
+        others = [rank for rank in range(world_size) if rank != self.rank]
+        try:
+            if self.rank == 0:
+                together = self._wait_for([_done(r) for r in others], deadline)
+                self.store.set(_done(0), "1")
+                together = together and self._wait_for([_left(r) for r in others], deadline)
+            else:
+                self.store.set(_done(self.rank), "1")
+                together = self._wait_for([_done(0)], deadline)
+            self.store.set(_left(self.rank), "1")  # from now on this rank's silence is not a death
+        except dist.DistError:  # the store's host is gone
+            together = False
+        self._stop.set()
+        self._thread.join()
+        return together
+
+    def _wait_for(self, keys: list[str], deadline: float) -> bool:
+        while not self.store.check(keys):
+            if self.failure is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(BEAT_S / 5)
+        return True
 
     def _run(self) -> None:
         seen = {rank: (-1, time.monotonic()) for rank in self.watched}

@@ -207,7 +207,8 @@ def plan_work(body: ImageRequest, config: ServeConfig, images: tuple[Upload, ...
     loras = _loras(body.loras, config)
     texts = [settings_text(r, model=config.checkpoint.source, pipeline=config.checkpoint.pipeline_class, tp=config.tp,
                            dp=config.replicas, cfg=cfg, dtype=config.dtype, loras=loras,
-                           key=output_key(r, config.checkpoint, config.dtype, config.cache, loras),
+                           key=output_key(r, config.checkpoint, config.dtype, config.cache, loras,
+                                          getattr(config.launch, "quantize", None)),
                            cache=config.cache, ulysses=config.ulysses, ring=config.ring, plan=config.plan)
              for r in requests]
     kwargs = call_kwargs(requests[0], adapter) | ({} if strength is None else {"strength": strength})
@@ -231,12 +232,14 @@ def _guidance(body: ImageRequest, adapter) -> dict:
     """The job's per-line `guidance` / `true_cfg_scale` for this body, accepted by the job's own rule
     (`launch.check_guidance`, the body's field names in its messages): `guidance_scale` is the job's `--guidance`,
     whatever the family's `guidance_kwarg` is (FLUX.1: guidance_scale; Qwen-Image: true_cfg_scale), and
-    `true_cfg_scale` its `--true-cfg-scale` (FLUX.1's true CFG; refused where guidance_scale already sets it)."""
-    check_guidance(adapter, {"negative_prompt": body.negative_prompt, "guidance_scale": body.guidance_scale,
-                             "true_cfg_scale": body.true_cfg_scale}, where="request: ")
+    `true_cfg_scale` its `--true-cfg-scale` (FLUX.1's true CFG; where guidance_scale already sets it, Qwen-Image,
+    another name for guidance_scale)."""
+    guidance, true_cfg = check_guidance(adapter, {"negative_prompt": body.negative_prompt,
+                                                  "guidance_scale": body.guidance_scale,
+                                                  "true_cfg_scale": body.true_cfg_scale}, where="request: ")
     entry = {}
-    if body.guidance_scale is not None:
-        entry["guidance"] = body.guidance_scale
-    if body.true_cfg_scale is not None:
-        entry["true_cfg_scale"] = body.true_cfg_scale
+    if guidance is not None:
+        entry["guidance"] = guidance
+    if true_cfg is not None:
+        entry["true_cfg_scale"] = true_cfg
     return entry

@@ -1,0 +1,325 @@
+"""`serve` on torchrun's own engine: an elastic restart of the serving group (`--max-restarts 1`, a rank SIGKILLed
+while the server idles), and one server spanning two loopback nodes (two torchrun agents, c10d rendezvous, rank 0
+serving HTTP) compared with the single-node server, then drained by SIGTERM on every node. One launch per shape;
+each assertion its own test."""
+
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+from PIL import Image
+from torch.distributed import DistStoreError, HashStore
+
+from neuron_diffusers.distributed import wait_keys
+from neuron_diffusers.serve import liveness
+from neuron_diffusers.serve.app import GENERATIONS
+from neuron_diffusers.serve.liveness import Liveness
+from neuron_diffusers.stopping import ExitWhenStuck
+
+PEER_TIMEOUT_S = 8.0  # a loaded machine can stall a loading rank's heartbeat for seconds
+#: torchrun's agent waits this long for its workers after its SIGTERM, then SIGKILLs them (torch's default).
+TORCHRUN_CLOSE_S = 30.0
+SERVE = ["-m", "neuron_diffusers", "serve", "--tp", "2", "--steps", "2", "--max-steps", "1000", "--timeout", "60",
+         "--peer-timeout", str(PEER_TIMEOUT_S)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Agent:
+    """One torchrun agent, its output lines kept with the second they came (since `started`)."""
+
+    def __init__(self, *torchrun: str, port: int):
+        command = [sys.executable, "-m", "torch.distributed.run", *torchrun, *SERVE, "--port", str(port)]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
+        self.started = time.monotonic()
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def log(self, last: int = 40) -> str:
+        return "".join(line for _, line in self.lines[-last:])
+
+    def ranks(self) -> dict[int, int]:
+        """Global rank -> pid of this agent's workers."""
+        workers = psutil.Process(self.process.pid).children()
+        return {int(worker.environ()["RANK"]): worker.pid for worker in workers}
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def _probe(url: str) -> tuple:
+    """(/health status, its restarts or None, /ready status), or ("gone",) when nothing answers."""
+    try:
+        health = httpx.get(url + "/health", timeout=2)
+        ready = httpx.get(url + "/ready", timeout=2)
+    except httpx.HTTPError:
+        return ("gone",)
+    restarts = health.json().get("restarts") if health.status_code == 200 else None
+    return health.status_code, restarts, ready.status_code
+
+
+def _wait_ready(url: str, agents: list[Agent], timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(agent.process.poll() is not None for agent in agents):
+            raise AssertionError("an agent exited while starting:\n" + "".join(a.log() for a in agents))
+        if _probe(url)[-1] == 200:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the server was not ready in time:\n" + "".join(a.log() for a in agents))
+
+
+def _image(client: httpx.Client, url: str, seed: int, steps: int = 2) -> np.ndarray:
+    answer = client.post(url + GENERATIONS, json={"prompt": "a red fox", "seed": seed, "num_inference_steps": steps})
+    assert answer.status_code == 200, answer.text
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"]))).convert("RGB"))
+
+
+def _stop_ranks(agents: list[Agent]) -> None:
+    """SIGTERM every rank of every agent, as torchrun (or Kubernetes, on each node) would."""
+    for agent in agents:
+        for pid in agent.ranks().values():
+            os.kill(pid, signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def restarted():
+    """One node, tp=2, `--max-restarts 1`: two images, rank 1 SIGKILLed while idle, every probe's answer until the
+    restarted group is ready (back to back), the first image again, then SIGTERM to the ranks."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    agent = Agent("--standalone", "--nproc-per-node=2", "--max-restarts=1", port=port)
+    try:
+        _wait_ready(url, [agent])
+        with httpx.Client(timeout=120) as client:
+            before = {seed: _image(client, url, seed) for seed in (7, 8)}
+            first = _probe(url)
+            os.kill(agent.ranks()[1], signal.SIGKILL)
+            killed = time.monotonic()
+            probes = []
+            while time.monotonic() - killed < 240 and agent.process.poll() is None:
+                probes.append((time.monotonic() - killed, _probe(url)))
+                if probes[-1][1] == (200, 1, 200):
+                    break
+                time.sleep(0.02)
+            after = _image(client, url, 7)
+        _stop_ranks([agent])
+        code = agent.process.wait(120)
+        return {"before": before, "after": after, "first": first, "probes": probes, "killed": killed,
+                "code": code, "agent": agent}
+    finally:
+        agent.kill()
+
+
+def test_a_rank_killed_while_idle_restarts_the_serving_group(restarted):
+    probes = [probe for _, probe in restarted["probes"]]
+    log = restarted["agent"].log()
+    assert restarted["first"] == (200, 0, 200)
+    assert ("gone",) in probes, (probes[:5], log)  # the first group stopped: its HTTP server went away
+    assert probes[-1] == (200, 1, 200), (probes[-5:], log)  # /health says the group was restarted once
+
+
+def test_the_restarted_group_is_ready_only_after_loading(restarted):
+    probes = [probe for _, probe in restarted["probes"]]
+    back = probes.index(next(probe for probe in probes if probe[0] == 200 and probe[1] == 1))
+    # Listening again while the model loads: alive (/health 200), not ready (/ready 503), until the last probe.
+    assert probes[back][2] == 503 and probes[-1][2] == 200, probes[back:]
+
+
+def test_a_request_after_the_restart_gives_the_same_image(restarted):
+    before, after = restarted["before"], restarted["after"]
+    assert np.array_equal(after, before[7])
+    assert not np.array_equal(before[8], before[7])  # control: another seed's image differs
+
+
+def test_rank_0_leaves_within_the_peer_timeout_not_torchruns_kill(restarted):
+    """torchrun SIGTERMs rank 0 when rank 1 dies; rank 0 drains, and its wait for the dead rank ends by the
+    heartbeats (--peer-timeout), before torchrun's own SIGKILL would end it. torchrun logs the dead rank once every
+    worker of the group has stopped."""
+    agent = restarted["agent"]
+    stopped = next((when for when, line in agent.lines if "exitcode: -9" in line), None)
+    assert stopped is not None, agent.log()
+    seconds = stopped - restarted["killed"]
+    print(f"the killed group stopped {seconds:.1f} s after the kill (--peer-timeout {PEER_TIMEOUT_S:g})")
+    assert seconds < PEER_TIMEOUT_S + liveness.EXIT_GRACE_S + 10 < TORCHRUN_CLOSE_S, agent.log()
+
+
+def test_the_restarted_server_drains_and_exits_0(restarted):
+    assert restarted["code"] == 0, restarted["agent"].log()
+
+
+def test_leaving_together_ends_early_when_a_peer_dies(monkeypatch):
+    """In one process: two ranks leave together (both True); then a rank that dies before it is done ends its
+    peer's wait in about --peer-timeout (False), not at the wait's own timeout."""
+    monkeypatch.setattr(liveness, "BEAT_S", 0.02)
+    monkeypatch.setattr(liveness, "EXIT_GRACE_S", 0.2)
+    store, exits, results = HashStore(), [], {}
+    pair = [Liveness(store, rank, 2, 0.3, exit_process=exits.append).start() for rank in (0, 1)]
+    threads = [threading.Thread(target=lambda w=w: results.__setitem__(w.rank, w.leave_together(2, 30)))
+               for w in pair]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert results == {0: True, 1: True} and not exits
+
+    store = HashStore()
+    alone = Liveness(store, 0, 2, 0.3, exit_process=exits.append).start()
+    dead = Liveness(store, 1, 2, 0.3, exit_process=exits.append).start()
+    time.sleep(0.1)
+    dead._stop.set()  # rank 1 dies: no goodbye
+    start = time.monotonic()
+    assert alone.leave_together(2, 30) is False
+    assert time.monotonic() - start < 5 and not exits and "rank 1 is gone" in alone.failure
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """Two torchrun agents on loopback as two nodes of 2 ranks (tp=2 inside each, one replica per node), rank 0
+    serving HTTP: two requests at once (one per replica), then one in flight while every rank gets SIGTERM."""
+    port, rendezvous = _free_port(), _free_port()
+    url = f"http://127.0.0.1:{port}"
+    joined = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rendezvous}",
+              "--rdzv-id=neuron-diffusers-serve-test"]
+    agents = [Agent(*joined, port=port) for _ in range(2)]
+    try:
+        _wait_ready(url, agents)
+        ready = httpx.get(url + "/ready").json()
+        with httpx.Client(timeout=120) as client:
+            answers = {}
+            together = [threading.Thread(target=lambda s=s: answers.__setitem__(s, _image(client, url, 7)))
+                        for s in ("a", "b")]
+            for thread in together:
+                thread.start()
+            for thread in together:
+                thread.join(300)
+            answers[8] = _image(client, url, 8)
+            in_flight = []
+            sender = threading.Thread(target=lambda: in_flight.append(
+                client.post(url + GENERATIONS, json={"prompt": "last fox", "num_inference_steps": 30})))
+            sender.start()
+            deadline = time.monotonic() + 60
+            while "neuron_diffusers_busy_replicas 1.0" not in httpx.get(url + "/metrics").text:
+                assert time.monotonic() < deadline, "no request became busy"
+                time.sleep(0.05)
+            ranks = {rank: pid for agent in agents for rank, pid in agent.ranks().items()}
+            _stop_ranks(agents)
+            sender.join(120)
+        codes = [agent.process.wait(120) for agent in agents]
+        return {"ready": ready, "answers": answers, "in_flight": in_flight, "codes": codes, "ranks": ranks,
+                "agents": agents}
+    finally:
+        for agent in agents:
+            agent.kill()
+
+
+def test_two_nodes_serve_one_replica_per_node(two_nodes):
+    assert sorted(two_nodes["ranks"]) == [0, 1, 2, 3]
+    assert (two_nodes["ready"]["replicas"], two_nodes["ready"]["tp"]) == (2, 2), two_nodes["ready"]
+
+
+def test_two_nodes_give_the_single_node_servers_images(two_nodes, restarted):
+    answers, reference = two_nodes["answers"], restarted["before"]
+    assert np.array_equal(answers["a"], reference[7]) and np.array_equal(answers["b"], reference[7])
+    assert np.array_equal(answers[8], reference[8])
+    assert not np.array_equal(answers[8], reference[7])  # control: the comparison can fail
+
+
+def test_sigterm_on_every_node_answers_the_request_in_flight(two_nodes):
+    in_flight = two_nodes["in_flight"]
+    assert len(in_flight) == 1 and in_flight[0].status_code == 200, in_flight
+
+
+def test_sigterm_on_every_node_ends_every_rank_and_agent_with_0(two_nodes):
+    # An agent exits 0 only when each of its workers did.
+    assert two_nodes["codes"] == [0, 0], "".join(agent.log() for agent in two_nodes["agents"])
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_signal_ends_a_wait_for_the_group_at_once():
+    """torchrun SIGTERMs the ranks left when one dies; a rank waiting for the dead one in the entry handshake
+    (`CallEntry`) or at the end (`leave_together`) must handle it at once, not when torchrun SIGKILLs it 30 s later.
+    Control: a blocking store wait holds the signal's handler until the wait ends (the test can fail)."""
+    store = HashStore()
+
+    def interrupted_after(wait, seconds=0.2) -> float:
+        """Seconds from arming a SIGALRM in `seconds` until its handler ran, while `wait()` runs."""
+        ran, start = [], time.monotonic()
+
+        def interrupt(signum, frame):
+            ran.append(time.monotonic() - start)
+            raise _Interrupted
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            wait()
+            time.sleep(5)  # the handler has run by now at the latest
+        except _Interrupted:
+            pass
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        return ran[0]
+
+    assert interrupted_after(lambda: wait_keys(store, ["never"], 30)) < 1.0
+    # The control: the handler runs only once the blocking wait gives up (1 s), then raises.
+    blocking = interrupted_after(lambda: _blocking_wait(store, 1.0))
+    assert blocking >= 1.0, blocking
+
+
+def _blocking_wait(store, seconds: float) -> None:
+    try:
+        store.wait(["never"], timedelta(seconds=seconds))
+    except DistStoreError:
+        pass
+
+
+def test_a_job_stuck_in_one_call_after_sigterm_ends_after_the_grace():
+    """The job's guard (`stopping.ExitWhenStuck`): a SIGTERM while the main thread is blocked in one call (as in a
+    collective with a dead peer) ends the process `grace_s` later, though the Python handler has not run. Controls:
+    no SIGTERM, no exit; a context left after the SIGTERM (the handler's `SystemExit`) cancels the exit."""
+    exits, handled = [], []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: handled.append(time.monotonic()))
+    try:
+        with ExitWhenStuck(grace_s=0.3, exit_process=lambda code: exits.append((code, time.monotonic()))):
+            _blocking_wait(HashStore(), 0.5)  # no signal: nothing happens
+            start = time.monotonic()
+            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            _blocking_wait(HashStore(), 2.0)  # blocked in one call: the handler waits for its end
+        assert [code for code, _ in exits] == [128 + signal.SIGTERM]
+        assert exits[0][1] - start < 1.5 < handled[0] - start, (exits, handled, start)
+
+        exits.clear()
+        with ExitWhenStuck(grace_s=0.5, exit_process=exits.append):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs; the job's would raise SystemExit and leave the context
+        time.sleep(1.0)
+        assert exits == []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
