@@ -1,0 +1,115 @@
+"""`generate(batch_size=...)`: several images per stock pipeline call, each equal to the image made alone.
+
+For every family at TP=2, three prompts of different lengths batched give, image by image, the latents of the same
+prompt made alone (its seed `seed + i`) within 1e-5 (float32), while another seed moves them by more (the control);
+the batch shares its transformer forwards. Then true CFG on a CFG pair (Qwen-Image) and TP=2 x Ulysses=2 (FLUX.1).
+One job per world size on the session's rank pool (`batch_jobs.py`), its cases recorded one by one.
+"""
+
+import batch_jobs
+import numpy as np
+import pytest
+from rank_cases import case
+
+from neuron_diffusers import tiny
+from neuron_diffusers.batching import check_batch_sizes, padded_count, resolve_batch_size, split, stack_rows
+
+#: Max abs difference between a batched image's latents and the image made alone. A batch only changes the row count
+#: of each matmul (and the masked padding of shorter texts): measured at most 1.7e-6; another seed moves them by ~4.
+TOLERANCE = 1e-5
+FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21", "h3")  # the five families; Wan refuses like H3
+#: Stock calls a batch of `batch_jobs.PROMPTS` takes: one, or (Qwen-Image-2.1) one per text length, two here.
+CALLS = {"qwenimage21": 2}
+
+
+@pytest.fixture(scope="module")
+def tp2_reports(tiny_checkpoint, rank_pool):
+    checkpoints = {family: tiny_checkpoint(family) for family in FAMILIES}
+    calls = {family: tiny.smallest_call(family) for family in FAMILIES}
+    return rank_pool.run(batch_jobs.batch_tp2_job, 2, checkpoints, calls, timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def four_rank_reports(tiny_checkpoint, rank_pool):
+    return rank_pool.run(batch_jobs.batch_4_ranks_job, 4, tiny_checkpoint("qwenimage"),
+                         tiny.smallest_call("qwenimage"), tiny_checkpoint("flux"), tiny.smallest_call("flux"),
+                         timeout_s=900)
+
+
+def assert_each_image_alone(made: dict, what: str) -> None:
+    """Batched latents equal each image made alone, within `TOLERANCE`; another seed moves image 0 by more."""
+    moved = float(np.abs(made["control"][0] - made["alone"][0]).max())
+    assert moved > TOLERANCE, f"{what}: another seed moves the latents by only {moved:.1e}: blind"
+    assert len(made["batched"]) == len(made["alone"]) == len(batch_jobs.PROMPTS)
+    for index, (batched, alone) in enumerate(zip(made["batched"], made["alone"], strict=True)):
+        assert batched.shape == alone.shape
+        difference = float(np.abs(batched - alone).max())
+        assert difference < TOLERANCE, f"{what}: image {index} differs from the image made alone by {difference:.1e}"
+
+
+def batching_families():
+    from neuron_diffusers.families import get
+
+    return [family for family in FAMILIES if get(family).adapter().batch_refusal is None]
+
+
+@pytest.mark.parametrize("family", batching_families())
+def test_tp2_batch_of_three_lengths_equals_each_image_alone(tp2_reports, family):
+    leader, other = case(tp2_reports, family)
+    assert other["batched"] is None and other["alone"] is None, "only the TP leader returns images"
+    assert_each_image_alone(leader, family)
+
+
+@pytest.mark.parametrize("family", batching_families())
+def test_tp2_batch_shares_its_transformer_forwards(tp2_reports, family):
+    leader, other = case(tp2_reports, family)
+    steps = tiny.smallest_call(family)["num_inference_steps"]
+    assert leader["forwards_alone"] == other["forwards_alone"] == 3 * steps
+    assert leader["forwards_batched"] == other["forwards_batched"] == CALLS.get(family, 1) * steps
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in batching_families()])
+def test_a_family_that_cannot_batch_refuses_on_every_rank(tp2_reports, family):
+    refusals = case(tp2_reports, f"{family}/refused")
+    assert refusals[0] == refusals[1] and "batch_size=1" in refusals[0], refusals
+
+
+def test_bad_batch_arguments_are_refused_with_the_fix(tp2_reports):
+    leader, other = case(tp2_reports, "arguments")
+    assert leader == other
+    assert "positive integer" in leader["batch_size"]
+    assert "Got 2 seeds for 3 prompts" in leader["seeds"]
+    assert "positive integers" in leader["batch_sizes"]
+
+
+def test_cfg_pair_true_cfg_batch_equals_each_image_alone(four_rank_reports):
+    made = case(four_rank_reports, "cfg")
+    assert all(m["batched"] is None for m in made[1:]), "only the pair's leader returns images"
+    assert_each_image_alone(made[0], "qwenimage tp=2 x cfg=2 (true CFG)")
+    assert made[0]["forwards_batched"] == tiny.smallest_call("qwenimage")["num_inference_steps"]
+
+
+def test_tp2_ulysses2_batch_equals_each_image_alone(four_rank_reports):
+    made = case(four_rank_reports, "ulysses")
+    assert all(m["batched"] is None for m in made[1:]), "only the image group's leader returns images"
+    assert_each_image_alone(made[0], "flux tp=2 x ulysses=2")
+
+
+def test_static_batch_sizes_pad_up_or_split():
+    declared = check_batch_sizes([4, 1, 2])
+    assert declared == (1, 2, 4)
+    assert [padded_count(n, declared) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert resolve_batch_size(None, declared) == 4 and resolve_batch_size(8, declared) == 4
+    assert resolve_batch_size(None, None) == 1
+    assert split(list(range(5)), 2) == [[0, 1], [2, 3], [4]]
+
+
+def test_rows_of_different_lengths_stack_right_padded_and_masked():
+    import torch
+
+    short = {"prompt_embeds": torch.ones(1, 2, 3), "prompt_embeds_mask": torch.ones(1, 2, dtype=torch.long)}
+    long = {"prompt_embeds": torch.full((1, 4, 3), 2.0), "prompt_embeds_mask": torch.ones(1, 4, dtype=torch.long)}
+    stacked = stack_rows([short, long])
+    assert stacked["prompt_embeds"].shape == (2, 4, 3)
+    assert stacked["prompt_embeds_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert stacked["prompt_embeds"][0, 2:].abs().sum() == 0
