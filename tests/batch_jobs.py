@@ -109,3 +109,37 @@ def batch_4_ranks_job(cfg_checkpoint, cfg_call: dict, cp_checkpoint, cp_call: di
             del pipe
             gc.collect()
     return report
+
+
+#: Batches of 1 to 4 prompts of both text lengths (buckets 64 and 128 for Qwen-Image), after warm-up.
+COMPILED_BATCHES = [[PROMPTS[0]], [PROMPTS[0], PROMPTS[1]], [PROMPTS[1], PROMPTS[2], PROMPTS[0]],
+                    [PROMPTS[2], PROMPTS[1], PROMPTS[0], PROMPTS[1]]]
+
+
+def batch_compile_job(checkpoint, call: dict, backend: str = "aot_eager") -> dict:
+    """`load_pipeline(batch_sizes=(1, 2, 4), buckets=(64, 128))`, compiled and warmed up (a recompile raises), then
+    `COMPILED_BATCHES`: graphs, recompiles and graph breaks counted from the job's start (dynamo reset first)."""
+    import torch
+    from rank_cases import one_thread
+
+    import neuron_diffusers as nd
+    from neuron_diffusers.compile import compile_repeated_blocks, compile_report, warmup
+
+    with one_thread():
+        torch._dynamo.reset()
+        start = compile_report()
+        pipe = nd.load_pipeline(checkpoint, nd.init_distributed(tp=2), buckets=(64, 128), batch_sizes=(1, 2, 4))
+        compile_repeated_blocks(pipe, backend=backend)
+        sizes = [(call["height"], call["width"])]
+        steps = {k: v for k, v in call.items() if k not in ("height", "width")}
+        guard = warmup(pipe, sizes, on_recompile="raise", **steps)
+        try:
+            warm = compile_report()
+            made = [pipe.generate(batch, seed=SEED, output_type="latent", **call) for batch in COMPILED_BATCHES]
+        finally:
+            guard.remove()
+        after = compile_report()
+    return {"graphs_after_warmup": warm["graphs"] - start["graphs"], "new_graphs": after["graphs"] - warm["graphs"],
+            "new_recompiles": after["recompiles"] - warm["recompiles"],
+            "graph_breaks": after["graph_breaks"] - start["graph_breaks"],
+            "images": None if made[0] is None else [len(images) for images in made]}

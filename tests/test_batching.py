@@ -113,3 +113,18 @@ def test_rows_of_different_lengths_stack_right_padded_and_masked():
     assert stacked["prompt_embeds"].shape == (2, 4, 3)
     assert stacked["prompt_embeds_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert stacked["prompt_embeds"][0, 2:].abs().sum() == 0
+
+
+@pytest.fixture(scope="module")
+def compiled_report(tiny_checkpoint, rank_pool):
+    return rank_pool.run(batch_jobs.batch_compile_job, 2, tiny_checkpoint("qwenimage"),
+                         tiny.smallest_call("qwenimage"), timeout_s=900)
+
+
+def test_compiled_batches_of_one_to_four_compile_nothing_after_warmup(compiled_report):
+    leader, other = compiled_report
+    assert leader["images"] == [1, 2, 3, 4] and other["images"] is None
+    for report in (leader, other):
+        assert report["graphs_after_warmup"] > 0, "nothing was compiled: the check is blind"
+        assert report["new_graphs"] == 0 and report["new_recompiles"] == 0, report
+        assert report["graph_breaks"] == 0, report
