@@ -53,6 +53,32 @@ def split(indices: list[int], size: int) -> list[list[int]]:
     return [indices[start:start + size] for start in range(0, len(indices), size)]
 
 
+def pack(items: list, size: int, key) -> list[list]:
+    """`items` in batches of up to `size` that share `key(item)` (None: never shares), each batch where its first
+    item was, so the order of first appearances stays (a CFG pair's joint requests stay in the same order on both
+    groups)."""
+    batches, open_batch = [], {}
+    for item in items:
+        which = key(item) if size > 1 else None
+        batch = open_batch.get(which) if which is not None else None
+        if batch is None or len(batch) == size:
+            batch = []
+            batches.append(batch)
+            if which is not None:
+                open_batch[which] = batch
+        batch.append(item)
+    return batches
+
+
+def declared_sizes(batch_size: int) -> tuple[int, ...]:
+    """The batch shapes a compiled job with `--batch-size N` declares: powers of two below N, and N."""
+    sizes, size = [], 1
+    while size < batch_size:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, batch_size)
+
+
 def padded_count(count: int, declared: tuple[int, ...] | None) -> int:
     """The rows a batch of `count` images runs with: the smallest declared size that holds it (or `count`)."""
     if not declared:

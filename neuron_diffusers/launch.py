@@ -125,6 +125,8 @@ class LaunchSpec:
     dtype: str | None = None
     #: Text-length buckets overriding the family's (None: the family's; `()`: no padding).
     buckets: tuple[int, ...] | None = None
+    #: The batch shapes a compiled pipeline declares (`load_pipeline(batch_sizes=...)`; None: any batch size).
+    batch_sizes: tuple[int, ...] | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

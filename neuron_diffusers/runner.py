@@ -162,11 +162,8 @@ class ParallelPipeline:
         *,
         seed: int | list[int] = 0,
         negative_prompt: str | list[str] | None = None,
-        check_latents_every: int | None = None,
-        alone: bool = False,
-        image=None,
-        mask_image=None,
-        strength: float | None = None,
+        check_latents_every: int | None = None, alone: bool = False,
+        image=None, mask_image=None, strength: float | None = None,
         batch_size: int | None = None,
         **pipeline_kwargs,
     ) -> list | None:
@@ -195,28 +192,22 @@ class ParallelPipeline:
         inpainting, Qwen-Image-Edit-Plus, FLUX.2 references, Qwen-Image-2.1 with an image). They are checked before
         anything runs: a class that takes none of them, one that needs an image, a mask of another size, a
         strength outside (0, 1].
-
-        `batch_size` images share one stock call (default: the largest of `load_pipeline(batch_sizes=...)`, else 1),
-        each still equal to the image made alone: its own generator and encoding (`batching.py`). `seed` may be a
-        list, one seed per prompt.
+        `batch_size` images share a stock call (default: the largest `load_pipeline(batch_sizes=...)`, else 1), each
+        equal to the image made alone (`batching.py`); `seed` may be a list, one seed per prompt.
         """
         pair = cfg_size(self.mesh) > 1 and not alone
         CallEntry(replica_ranks(self.mesh, with_cfg=pair), "generate", self.entry_timeout_s).enter(
             [self.adapter.pipeline_class, prompts, seed, negative_prompt, check_latents_every, alone, image,
              mask_image, strength, batch_size, pipeline_kwargs])
-        prompts = self._check_call(prompts, pipeline_kwargs)
-        seeds = seeds_for(seed, len(prompts))
+        prompts, seeds = self._check_call(prompts, seed, pipeline_kwargs)
         negatives = self._negatives(negative_prompt, len(prompts))
         image_kwargs = check_image_kwargs(self.adapter, image, mask_image, strength)
         self._check_context_parallel(pipeline_kwargs)
-        joint = pair and self.adapter.uses_true_cfg(negatives[0], pipeline_kwargs)
-        if joint:
-            _check_cfg_parallel_kwargs(self.adapter, pipeline_kwargs)
-        mine = range(len(prompts)) if joint or not pair else range(cfg_rank(self.mesh), len(prompts), 2)
-        batches = self._batches(list(mine), batch_size, image_kwargs, pipeline_kwargs)
-        texts = list(zip(prompts, negatives, strict=True))
-        outputs, error = self._make_mine(batches, texts, seeds, joint, check_latents_every, pipeline_kwargs,
-                                         image_kwargs)
+        joint = pair and _check_cfg_parallel_kwargs(self.adapter, negatives[0], pipeline_kwargs)
+        mine = list(range(len(prompts)) if joint or not pair else range(cfg_rank(self.mesh), len(prompts), 2))
+        outputs, error = self._make_mine(self._batches(mine, batch_size, image_kwargs, pipeline_kwargs),
+                                         list(zip(prompts, negatives, strict=True)), seeds, joint,
+                                         check_latents_every, pipeline_kwargs, image_kwargs)
         if pair and not joint:  # the two groups made different images: the pair agrees before it exchanges them
             error = agree(error, self.mesh["cfg"].get_group())
         if error is not None:
@@ -253,8 +244,9 @@ class ParallelPipeline:
             error = caught
         return outputs, error
 
-    def _check_call(self, prompts, pipeline_kwargs: dict) -> list[str]:
-        """Every check of a call's own arguments; it runs on every rank alike, so every rank raises the same error."""
+    def _check_call(self, prompts, seed, pipeline_kwargs: dict) -> tuple[list[str], list[int]]:
+        """Every check of a call's own arguments; it runs on every rank alike, so every rank raises the same error.
+        The prompts as a list, and each image's seed (`batching.seeds_for`)."""
         prompts = [prompts] if isinstance(prompts, str) else prompts
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"`prompts` must be a string or a non-empty list of strings, got {prompts!r:.80}.")
@@ -271,7 +263,7 @@ class ParallelPipeline:
                 self.size_limits.check(pipeline_kwargs.get("height", smallest),
                                        pipeline_kwargs.get("width", smallest), "`generate`")
             self.size_limits.check_steps(pipeline_kwargs.get("num_inference_steps"), "`generate`")
-        return list(prompts)
+        return list(prompts), seeds_for(seed, len(prompts))
 
     def _make(self, texts: list[tuple], seeds: list[int], encode_kwargs: dict, joint: bool,
               check_latents_every: int | None, pipeline_kwargs: dict, image_kwargs: dict, in_call: bool) -> list:
@@ -402,8 +394,11 @@ def _prompt_strings(prompt: str, negative: str | None) -> dict:
     return {"prompt": prompt} | ({} if negative is None else {"negative_prompt": negative})
 
 
-def _check_cfg_parallel_kwargs(adapter: PipelineAdapter, pipeline_kwargs: dict) -> None:
-    """Refuse what CFG parallelism cannot split, before any step runs."""
+def _check_cfg_parallel_kwargs(adapter: PipelineAdapter, negative: str | None, pipeline_kwargs: dict) -> bool:
+    """Whether a CFG pair's call runs true CFG jointly (`adapter.uses_true_cfg`), refusing what CFG parallelism cannot
+    split, before any step runs."""
+    if not adapter.uses_true_cfg(negative, pipeline_kwargs):
+        return False
     if not adapter.names_cfg_branches:
         raise ValueError(
             f"CFG parallelism does not run {adapter.pipeline_class}'s true CFG: it calls its transformer outside "
@@ -417,6 +412,7 @@ def _check_cfg_parallel_kwargs(adapter: PipelineAdapter, pipeline_kwargs: dict) 
             "each branch's image embeddings into one shared `joint_attention_kwargs` between its cond and uncond "
             "calls. Generate these images on a mesh without a `cfg` dimension (or pass `alone=True`)."
         )
+    return True
 
 
 def context_degree(mesh: DeviceMesh) -> int:
@@ -481,8 +477,7 @@ def load_pipeline(
     cp_any_length: bool = False,
     parallel_vae: bool | None = None,
     plan: str = "default",
-    transformer: torch.nn.Module | None = None,
-    batch_sizes: tuple[int, ...] | None = None,
+    transformer: torch.nn.Module | None = None, batch_sizes: tuple[int, ...] | None = None,
 ) -> ParallelPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
@@ -520,19 +515,16 @@ def load_pipeline(
     `transformer` is a prebuilt, unsharded transformer used instead of the folder's weights (`bench device`: a
     full-size one with random weights), for a one-rank image group only and an instance of the folder's class;
     anything else is refused before any weight is read. It is moved to the mesh's device.
-
-    `batch_sizes` (e.g. `(1, 2, 4)`) are the only batch shapes `generate` runs: a short batch is padded to the next
-    declared size (the extra images dropped), a longer one split; `compile.warmup` compiles each (`batching.py`).
+    `batch_sizes` (e.g. `(1, 2, 4)`): the only batch shapes `generate` runs, a short batch padded to the next declared
+    size (the extra images dropped), a longer one split; `compile.warmup` compiles each (`batching.py`).
     """
-    batch_sizes = check_batch_sizes(batch_sizes)
     spec, torch_dtype = _spec(model, torch_dtype, dict(
         pipeline_class=pipeline_class, buckets=buckets, loras=loras, cache=cache, cp_any_length=cp_any_length,
         parallel_vae=parallel_vae, plan=plan))
     if transformer is not None:
         _check_prebuilt(transformer, spec.checkpoint, mesh)
-    pipeline = _Recipe(spec, init_distributed() if mesh is None else mesh, torch_dtype).run(transformer)
-    pipeline.batch_sizes = batch_sizes
-    return pipeline
+    batch_sizes = spec.batch_sizes if batch_sizes is None else check_batch_sizes(batch_sizes)
+    return _Recipe(spec, init_distributed() if mesh is None else mesh, torch_dtype, batch_sizes).run(transformer)
 
 
 def _spec(model, torch_dtype, front: dict) -> tuple[LaunchSpec, torch.dtype | None]:
@@ -555,8 +547,8 @@ class _Recipe:
     (a spec's `compile`; else the caller's `compile.compile_repeated_blocks`) comes last, over the fused weights and
     every hook."""
 
-    def __init__(self, spec: LaunchSpec, mesh: DeviceMesh, torch_dtype):
-        self.spec, self.mesh, self.torch_dtype = spec, mesh, torch_dtype
+    def __init__(self, spec: LaunchSpec, mesh: DeviceMesh, torch_dtype, batch_sizes: tuple[int, ...] | None = None):
+        self.spec, self.mesh, self.torch_dtype, self.batch_sizes = spec, mesh, torch_dtype, batch_sizes
         self.checkpoint, self.adapter = spec.checkpoint, spec.checkpoint.adapter
         self.device = mesh_device(mesh)
         image_group(mesh)  # created here, where every rank comes: creating it is a collective over the world
@@ -645,7 +637,8 @@ class _Recipe:
             [self.checkpoint.source, str(self.torch_dtype)])
         return ParallelPipeline(self.adapter, pipe, encoder, self.mesh, self.buckets, self.times,
                           checkpoint=self.checkpoint, cp_mode=self.mode, follower_vae=follower_vae,
-                          size_limits=self.adapter.size_limits(self.checkpoint), parallel_vae=handle)
+                          size_limits=self.adapter.size_limits(self.checkpoint), parallel_vae=handle,
+                          batch_sizes=self.batch_sizes)
 
     def fuse_loras(self, pipeline: ParallelPipeline) -> None:
         """The LoRAs read at planning, fused into each rank's final shards (no file is read again)."""

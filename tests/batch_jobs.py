@@ -143,3 +143,52 @@ def batch_compile_job(checkpoint, call: dict, backend: str = "aot_eager") -> dic
             "new_recompiles": after["recompiles"] - warm["recompiles"],
             "graph_breaks": after["graph_breaks"] - start["graph_breaks"],
             "images": None if made[0] is None else [len(images) for images in made]}
+
+
+def _failing_batch(argv: list[str]) -> str:
+    """The job with every multi-image stock call failing: what every rank is told."""
+    from rank_jobs import _job_outputs
+
+    from neuron_diffusers.pipelines.base import StockPipelineAdapter
+
+    call = StockPipelineAdapter.__call__
+
+    def failing(self, pipe, embeds, *, generator, **kwargs):
+        if isinstance(generator, list):
+            raise RuntimeError("injected failure")
+        return call(self, pipe, embeds, generator=generator, **kwargs)
+
+    StockPipelineAdapter.__call__ = failing
+    try:
+        _job_outputs(argv)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        StockPipelineAdapter.__call__ = call
+    return "no failure"
+
+
+def _resumed(argv: list[str]) -> list[int]:
+    """The requests a `--batch-size` job planned over a folder an unbatched job filled finds already done."""
+    from neuron_diffusers.cli import _parser
+    from neuron_diffusers.distributed import detect_runtime
+    from neuron_diffusers.job import plan_job
+
+    args = _parser().parse_args(["generate", *argv])
+    return sorted(plan_job(args, detect_runtime().world_size, "cpu").done)
+
+
+def batch_job_checks(out_root: str, base: list[str]) -> dict:
+    """The `generate` job at TP=2 over the same prompts: unbatched (`alone`), with --batch-size 3 (`batched`), each
+    with its latents per image (`cfg_jobs.job_with_latents`); the batched plan over the unbatched folder (`resume`);
+    a failing batch (`failure`)."""
+    from cfg_jobs import job_with_latents
+    from rank_cases import one_thread, record
+
+    report = {}
+    with one_thread():
+        record(report, "alone", job_with_latents, [*base, "--out", f"{out_root}/alone"])
+        record(report, "batched", job_with_latents, [*base, "--out", f"{out_root}/batched", "--batch-size", "3"])
+        record(report, "resume", _resumed, [*base, "--out", f"{out_root}/alone", "--batch-size", "3"])
+        record(report, "failure", _failing_batch, [*base, "--out", f"{out_root}/failing", "--batch-size", "2"])
+    return report

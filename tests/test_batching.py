@@ -128,3 +128,75 @@ def test_compiled_batches_of_one_to_four_compile_nothing_after_warmup(compiled_r
         assert report["graphs_after_warmup"] > 0, "nothing was compiled: the check is blind"
         assert report["new_graphs"] == 0 and report["new_recompiles"] == 0, report
         assert report["graph_breaks"] == 0, report
+
+
+# -- the job: --batch-size ---------------------------------------------------------------------------------------
+
+#: Four requests: 0, 1 and 3 compatible (packed into one call of 3), 2 with other steps (made alone).
+JOB_LINES = [{"prompt": batch_jobs.PROMPTS[0]}, {"prompt": batch_jobs.PROMPTS[1], "seed": 40},
+             {"prompt": batch_jobs.PROMPTS[2], "steps": 3}, {"prompt": "a small boat", "seed": 11}]
+
+
+@pytest.fixture(scope="module")
+def job_reports(tiny_checkpoint, rank_pool, tmp_path_factory):
+    import json
+
+    root = tmp_path_factory.mktemp("batch_job")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in JOB_LINES))
+    call = tiny.smallest_call("flux")
+    base = ["--model", str(tiny_checkpoint("flux")), "--prompts", str(prompts), "--tp", "2",
+            "--steps", str(call["num_inference_steps"]), "--height", str(call["height"]), "--width", str(call["width"])]
+    return rank_pool.run(batch_jobs.batch_job_checks, 2, str(root), base, timeout_s=900)
+
+
+def test_pack_groups_compatible_items_in_order():
+    from neuron_diffusers.batching import pack
+
+    items = ["a1", "b1", "a2", "x", "a3", "b2", "x"]
+    key = lambda item: None if item == "x" else item[0]  # noqa: E731
+    assert pack(items, 2, key) == [["a1", "a2"], ["b1", "b2"], ["x"], ["a3"], ["x"]]
+    assert pack(items, 1, key) == [[item] for item in items]
+
+
+def test_job_batch_size_makes_each_image_as_the_unbatched_job(job_reports):
+    alone = case(job_reports, "alone")[0]
+    batched = case(job_reports, "batched")[0]
+    by_file = {image["file"]: image for image in batched["outputs"]["summary"]["images"]}
+    assert [image.get("batch", 1) for image in sorted(by_file.values(), key=lambda i: i["index"])] == [3, 3, 1, 3]
+    # Calls in order: requests 0, 1, 3 in one call of 3 rows, then request 2 alone; unbatched: 0, 1, 2, 3.
+    rows = {0: batched["latents"][0][0][0], 1: batched["latents"][0][0][1], 3: batched["latents"][0][0][2],
+            2: batched["latents"][1][0][0]}
+    moved = float(np.abs(alone["latents"][0][0][0] - alone["latents"][3][0][0]).max())
+    assert moved > TOLERANCE, f"another request moves the latents by only {moved:.1e}: blind"
+    for index, latents in rows.items():
+        difference = float(np.abs(latents - alone["latents"][index][0][0]).max())
+        assert difference < TOLERANCE, f"request {index}: {difference:.1e} from the unbatched job's"
+
+
+def test_job_batch_size_keeps_files_settings_and_summary(job_reports):
+    alone = case(job_reports, "alone")[0]["outputs"]
+    batched = case(job_reports, "batched")[0]["outputs"]
+    assert alone["settings"] == batched["settings"], "the settings inside each output (and its resume key) change"
+    timing = {"seconds", "save_seconds", "batch"}
+    records = [[{k: v for k, v in image.items() if k not in timing} for image in sorted(
+        outputs["summary"]["images"], key=lambda i: i["index"])] for outputs in (alone, batched)]
+    assert records[0] == records[1]
+
+
+def test_job_batch_size_resumes_an_unbatched_folder(job_reports):
+    assert case(job_reports, "resume")[0] == [0, 1, 2, 3]
+
+
+def test_a_failing_batch_names_its_images_on_every_rank(job_reports):
+    messages = case(job_reports, "failure")
+    assert messages[0] == messages[1], messages
+    assert "BatchError: A batch of 2 images failed (00000-a-red-fox-in-the-snow.png, 00001-a-lighthouse" in messages[0]
+    assert "injected failure" in messages[0]
+
+
+def test_job_batch_size_is_refused_where_a_call_cannot_batch(generate_refuses):
+    generate_refuses(["--model", "h3", "--prompt", "a fox", "--batch-size", "2"],
+                     "--batch-size 2: MiniMax-H3 packs one request into one sequence")
+    generate_refuses(["--model", "flux", "--prompt", "a fox", "--batch-size", "2", "--cache", "first-block:0.1"],
+                     "--batch-size 2: a step cache takes one skip decision for a whole batch")
