@@ -15,7 +15,8 @@ from neuron_diffusers import tiny
 from neuron_diffusers.batching import check_batch_sizes, padded_count, resolve_batch_size, split, stack_rows
 
 #: Max abs difference between a batched image's latents and the image made alone. A batch only changes the row count
-#: of each matmul (and the masked padding of shorter texts): measured at most 1.7e-6; another seed moves them by ~4.
+#: of each matmul (and the masked padding of shorter texts): measured in one process at most 1.7e-6 (Qwen-Image, true
+#: CFG); another seed moves them by about 4.
 TOLERANCE = 1e-5
 FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21", "h3")  # the five families; Wan refuses like H3
 #: Stock calls a batch of `batch_jobs.PROMPTS` takes: one, or (Qwen-Image-2.1) one per text length, two here.
@@ -200,3 +201,23 @@ def test_job_batch_size_is_refused_where_a_call_cannot_batch(generate_refuses):
                      "--batch-size 2: MiniMax-H3 packs one request into one sequence")
     generate_refuses(["--model", "flux", "--prompt", "a fox", "--batch-size", "2", "--cache", "first-block:0.1"],
                      "--batch-size 2: a step cache takes one skip decision for a whole batch")
+
+
+# -- bench throughput ----------------------------------------------------------------------------------------------
+
+def test_bench_throughput_measures_batch_1_2_4_in_one_run(tiny_checkpoint, rank_pool, monkeypatch):
+    """`bench throughput`'s path at tiny size: the ranks' measurements (on the session's pool instead of spawned
+    ranks) become one table with images/s for batch 1, 2 and 4 side by side."""
+    from neuron_diffusers.tools.bench import throughput
+
+    def on_pool(fn, ranks, *args, timeout_s):
+        return rank_pool.run(fn, ranks, *args, timeout_s=timeout_s)
+
+    monkeypatch.setattr(throughput, "run_on_cpu_ranks", on_pool)
+    result = throughput.measure(str(tiny_checkpoint("flux")), 2, steps=1, size=32, images=4, batches=[1, 2, 4],
+                                rounds=1)
+    assert list(result["batches"]) == ["1", "2", "4"]
+    for row in result["batches"].values():
+        assert row["images_per_second"] > 0 and row["latency_p95_s"] >= row["latency_p50_s"] > 0
+    table = throughput.format_table(result)
+    assert [line.split("|")[1].strip() for line in table.splitlines()[3:]] == ["1", "2", "4"]
