@@ -26,14 +26,20 @@ import torch.nn.functional as F
 from .pipelines.base import check_seeds
 
 
-def check_batch_sizes(batch_sizes) -> tuple[int, ...] | None:
-    """`load_pipeline(batch_sizes=...)`: None (any batch runs at its own size) or positive integers, sorted."""
+def check_batch_sizes(batch_sizes, spec=None) -> tuple[int, ...] | None:
+    """`load_pipeline(batch_sizes=...)`: None (any batch runs at its own size) or positive integers, sorted; a size
+    above 1 refused (before any weight is read) where `spec`'s pipeline cannot batch (its adapter, a step cache)."""
     if batch_sizes is None:
         return None
     sizes = tuple(batch_sizes) if isinstance(batch_sizes, (list, tuple)) else None
     if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
         raise ValueError(f"`batch_sizes` must be a non-empty list of positive integers (the batch shapes a compiled "
                          f"pipeline declares, e.g. (1, 2, 4)), got {batch_sizes!r:.80}.")
+    if spec is not None and max(sizes) > 1:
+        why = spec.checkpoint.adapter.batch_refusal or (
+            "a step cache takes one skip decision for a whole batch" if spec.cache is not None else None)
+        if why:
+            raise ValueError(f"`batch_sizes={sizes}`: {why}. Leave `batch_sizes` out.")
     return tuple(sorted(set(sizes)))
 
 

@@ -181,6 +181,8 @@ def warmup(pipe, sizes: list[tuple[int, int]], buckets: tuple[int, ...] | None =
     generate_kwargs.setdefault("alone", True)
     buckets = pipe.buckets if buckets is None else tuple(buckets)
     batch_sizes = getattr(pipe, "batch_sizes", None) or (1,)  # `load_pipeline(batch_sizes=...)`: static batches
+    if {"image", "mask_image", "strength"} & generate_kwargs.keys():
+        batch_sizes = batch_sizes[:1]  # image inputs run one image per call
     _allow_graphs(len(sizes) * max(len(buckets), 1) * len(batch_sizes) * GRAPHS_PER_SHAPE)
     declared = pipe.buckets
     cache = group_cache_of(_transformer_of(pipe))

@@ -523,7 +523,7 @@ def load_pipeline(
         parallel_vae=parallel_vae, plan=plan))
     if transformer is not None:
         _check_prebuilt(transformer, spec.checkpoint, mesh)
-    batch_sizes = spec.batch_sizes if batch_sizes is None else check_batch_sizes(batch_sizes)
+    batch_sizes = spec.batch_sizes if batch_sizes is None else check_batch_sizes(batch_sizes, spec)
     return _Recipe(spec, init_distributed() if mesh is None else mesh, torch_dtype, batch_sizes).run(transformer)
 
 

@@ -81,6 +81,7 @@ def test_bad_batch_arguments_are_refused_with_the_fix(tp2_reports):
     assert "positive integer" in leader["batch_size"]
     assert "Got 2 seeds for 3 prompts" in leader["seeds"]
     assert "positive integers" in leader["batch_sizes"]
+    assert "a step cache takes one skip decision for a whole batch" in leader["batch_sizes_cache"]
 
 
 def test_cfg_pair_true_cfg_batch_equals_each_image_alone(four_rank_reports):
