@@ -46,6 +46,8 @@ COMMANDS = {
                                            "command, date, machine and versions (the docs' figures)"),
     "bench vae": ("tools.bench.vae", "per-rank peak memory and seconds of a VAE decode, one rank vs N (parallel "
                                      "VAE)"),
+    "bench throughput": ("tools.bench.throughput", "images/s and per-image latency at batch sizes 1, 2, 4 side by "
+                                                   "side (`generate(batch_size=...)`), one TP group"),
     "bench device": ("tools.bench.device", "each family at full size on the device present (CUDA, else CPU): "
                                            "recompiles, step ms ours vs stock, peak memory; --tiny on CPU"),
 }

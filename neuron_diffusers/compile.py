@@ -168,7 +168,8 @@ def _transformer_of(obj):
 
 def warmup(pipe, sizes: list[tuple[int, int]], buckets: tuple[int, ...] | None = None, *,
            on_recompile: str | None = "warn", **generate_kwargs) -> RecompileGuard | None:
-    """Run one generation per (size, text-length bucket), so every graph is compiled before real requests.
+    """Run one generation per (size, text-length bucket, declared batch size), so every graph is compiled before real
+    requests.
 
     `pipe` is a `ParallelPipeline`; `buckets` default to its own. Two denoising steps by default: the first and later
     steps can differ (Qwen-Image-2.1 fills its text KV cache on the first). Every rank of the group must call it,
@@ -179,7 +180,10 @@ def warmup(pipe, sizes: list[tuple[int, int]], buckets: tuple[int, ...] | None =
     # Every TP group compiles its own blocks, so each warms up alone: a CFG pair would split the one warm-up prompt.
     generate_kwargs.setdefault("alone", True)
     buckets = pipe.buckets if buckets is None else tuple(buckets)
-    _allow_graphs(len(sizes) * max(len(buckets), 1) * GRAPHS_PER_SHAPE)
+    batch_sizes = getattr(pipe, "batch_sizes", None) or (1,)  # `load_pipeline(batch_sizes=...)`: static batches
+    if {"image", "mask_image", "strength"} & generate_kwargs.keys():
+        batch_sizes = batch_sizes[:1]  # image inputs run one image per call
+    _allow_graphs(len(sizes) * max(len(buckets), 1) * len(batch_sizes) * GRAPHS_PER_SHAPE)
     declared = pipe.buckets
     cache = group_cache_of(_transformer_of(pipe))
     try:
@@ -189,7 +193,9 @@ def warmup(pipe, sizes: list[tuple[int, int]], buckets: tuple[int, ...] | None =
                 for bucket in buckets or (None,):
                     # A one-word prompt padded to exactly `bucket`: the shapes of any prompt of that bucket.
                     pipe.buckets = (bucket,) if bucket else ()
-                    pipe.generate(["warm-up"], seed=0, height=height, width=width, **generate_kwargs)
+                    for rows in batch_sizes:
+                        pipe.generate(["warm-up"] * rows, seed=0, height=height, width=width, batch_size=rows,
+                                      **generate_kwargs)
     finally:
         pipe.buckets = declared
     return RecompileGuard(_transformer_of(pipe), mode=on_recompile) if on_recompile else None

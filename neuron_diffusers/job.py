@@ -41,6 +41,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from . import __version__
+from .batching import declared_sizes, pack
 from .checkpoint import Checkpoint
 from .cli import finite_float, positive_float, positive_int
 from .compile import compile_repeated_blocks, compile_report, warmup
@@ -194,6 +195,8 @@ class JobPlan:
     parallel_vae: bool | None = None
     #: The checked launch spec `load_pipeline` is handed (None: a plan built by hand; it is made from the fields).
     launch: LaunchSpec | None = None
+    #: `--batch-size`: compatible requests made per stock call (`batch_key`), each image equal to the one made alone.
+    batch_size: int = 1
 
 
 def read_prompt_file(path: Path) -> list[dict]:
@@ -425,7 +428,19 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     _check_requests(requests, launch, world_size)
     launch, true_cfg, notes = _settle_pairs(requests, launch, world_size)
     launch = dataclasses.replace(launch, parallel_vae=_parallel_vae(requests, launch))
+    launch = _batching(getattr(args, "batch_size", 1), launch)
     return _plan(args, launch, requests, true_cfg, notes, world_size)
+
+
+def _batching(batch_size: int, launch: LaunchSpec) -> LaunchSpec:
+    """`--batch-size` checked against the launch before any weight is read; compiled, the batch shapes it declares."""
+    if batch_size == 1:
+        return launch
+    adapter = launch.checkpoint.adapter
+    why = adapter.batch_refusal or ("a step cache takes one skip decision for a whole batch" if launch.cache else None)
+    if why:
+        raise ValueError(f"--batch-size {batch_size}: {why}. Leave --batch-size out (1).")
+    return dataclasses.replace(launch, batch_sizes=declared_sizes(batch_size) if launch.compile else None)
 
 
 def _check_requests(requests: list[Request], launch: LaunchSpec, world_size: int) -> None:
@@ -495,7 +510,8 @@ def _plan(args, launch: LaunchSpec, requests: list[Request], true_cfg: frozenset
                    true_cfg=true_cfg, notes=notes, keys=keys, done=done, job_digest=job_digest,
                    loras=lora_records, cache=launch.cache, ulysses=launch.ulysses, ring=launch.ring,
                    cp_any_length=launch.cp_any_length, mesh_order=launch.mesh_order, cross_node=launch.cross_node,
-                   parallel_vae=launch.parallel_vae, tp_plan=launch.plan, launch=launch)
+                   parallel_vae=launch.parallel_vae, tp_plan=launch.plan, launch=launch,
+                   batch_size=getattr(args, "batch_size", 1))
 
 
 def output_key(request: Request, checkpoint: Checkpoint, dtype: str, cache: str | None, loras: list,
@@ -562,6 +578,16 @@ def call_kwargs(request: Request, adapter) -> dict:
     if request.true_cfg_scale is not None:
         kwargs["true_cfg_scale"] = request.true_cfg_scale
     return kwargs
+
+
+def batch_key(item: tuple[Request, bool], adapter, splits_vae=lambda height, width: False):
+    """What requests must share to be made in one stock call (`--batch-size`): the call's kwargs (size, steps,
+    guidance), CFG pairing, a negative prompt or none; None (made alone): image inputs, or a size the parallel VAE
+    splits."""
+    request, with_partner = item
+    if request.images or request.mask is not None or splits_vae(request.height, request.width):
+        return None
+    return (with_partner, request.negative_prompt is None, tuple(sorted(call_kwargs(request, adapter).items())))
 
 
 def pair_work(requests: list[Request], plan: JobPlan, cfg_rank: int) -> list[tuple[Request, bool]]:
@@ -673,41 +699,78 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
 
     images = []
     # One bar, on rank 0, over its TP group's images; the stock per-step bar (rank 0 only, see `load_pipeline`)
-    # clears itself after each image.
+    # clears itself after each call.
     pipe.pipe.set_progress_bar_config(disable=not is_main_process(), leave=False)
     bar = tqdm(total=len(work), desc="images" if dp * plan.cfg == 1 else "images (rank 0's TP group)",
                disable=not is_main_process())
-    for request, with_partner in work:
-        start = time.perf_counter()
-        outputs = pipe.generate(request.prompt, seed=request.seed, negative_prompt=request.negative_prompt,
-                                alone=not with_partner, **request.image_kwargs(), **call_kwargs(request, pipe.adapter))
-        error = None
-        if outputs is not None:  # the rank that holds the image saves it
-            save_start = time.perf_counter()
-            path = plan.out_dir / request.file_name(pipe.adapter.output_suffix)
-            try:
-                pipe.adapter.save(outputs[0], path, text=settings_text(
-                    request, model=plan.checkpoint.source, pipeline=plan.checkpoint.pipeline_class, tp=plan.tp, dp=dp,
-                    cfg=2 if with_partner else 1, dtype=plan.dtype, loras=plan.loras, key=plan.keys[request.index],
-                    cache=plan.settings.get("cache"), ulysses=plan.ulysses, ring=plan.ring, plan=plan.tp_plan))
-                images.append({**asdict(request), "file": path.name,
-                               "seconds": round(time.perf_counter() - start, 4),
-                               "save_seconds": round(time.perf_counter() - save_start, 4), "rank": dist.get_rank(),
-                               "cfg_parallel": with_partner,
-                               **({"cache": pipe.cache_counts[-1]} if pipe.cache is not None else {})})
-            except OSError as caught:  # media's staged writes leave no partial file behind
-                error = OutputWriteError(
-                    f"Cannot write {path}: {caught.strerror or caught}. The {len(images)} output(s) this group "
-                    "finished before it are complete and kept, and no partial file is left; free space (or fix the "
-                    "folder) and rerun the same command to make the rest.")
-            if error is None and default_store().check([_FAILED_KEY]):
-                error = OutputWriteError(f"Stopped: {default_store().get(_FAILED_KEY).decode()}")
-        # The saving rank decides for the ranks that made the image with it: all go on, or all stop with its error.
-        raise_agreed(error, image_group(pipe.mesh), pipe.mesh["cfg"].get_group() if with_partner else None)
-        bar.update(1)
+    vae = pipe.parallel_vae
+    splits = (lambda height, width: vae.splits(height, width)) if vae is not None else (lambda height, width: False)
+    for batch in pack(work, plan.batch_size, lambda item: batch_key(item, pipe.adapter, splits)):
+        _make_batch(plan, pipe, [request for request, _ in batch], batch[0][1], dp, images)
+        bar.update(len(batch))
     bar.close()
 
     return images, _phases(pipe, after_warmup, compile_seconds, images)
+
+
+class BatchError(RuntimeError):
+    """A stock call making several images failed: the message names them (their output files)."""
+
+
+def _generate_batch(pipe, requests: list[Request], with_partner: bool) -> list | None:
+    """One `generate` call for `requests` (compatible: `batch_key`), each with its own seed and negative prompt."""
+    if len(requests) == 1:
+        request = requests[0]
+        return pipe.generate(request.prompt, seed=request.seed, negative_prompt=request.negative_prompt,
+                             alone=not with_partner, **request.image_kwargs(), **call_kwargs(request, pipe.adapter))
+    negatives = None if requests[0].negative_prompt is None else [r.negative_prompt for r in requests]
+    try:
+        return pipe.generate([r.prompt for r in requests], seed=[r.seed for r in requests], negative_prompt=negatives,
+                             alone=not with_partner, batch_size=len(requests), **call_kwargs(requests[0], pipe.adapter))
+    except dist.DistError:
+        raise
+    except Exception as error:  # every rank raises the same agreed error, so every rank names the same images
+        names = ", ".join(r.file_name(pipe.adapter.output_suffix) for r in requests)
+        raise BatchError(f"A batch of {len(requests)} images failed ({names}): {error}") from error
+
+
+def _make_batch(plan: JobPlan, pipe, requests: list[Request], with_partner: bool, dp: int, images: list) -> None:
+    """Make and save one batch; the saving rank decides for the ranks that made it: all go on, or all stop."""
+    start = time.perf_counter()
+    outputs = _generate_batch(pipe, requests, with_partner)
+    error = None
+    if outputs is not None:  # the rank that holds the images saves them
+        seconds = (time.perf_counter() - start) / len(requests)
+        for request, output in zip(requests, outputs, strict=True):
+            error = _save(plan, pipe, request, output, with_partner, dp, images, seconds, len(requests))
+            if error is not None:
+                break
+        if error is None and default_store().check([_FAILED_KEY]):
+            error = OutputWriteError(f"Stopped: {default_store().get(_FAILED_KEY).decode()}")
+    raise_agreed(error, image_group(pipe.mesh), pipe.mesh["cfg"].get_group() if with_partner else None)
+
+
+def _save(plan: JobPlan, pipe, request: Request, output, with_partner: bool, dp: int, images: list,
+          seconds: float, batch: int) -> OutputWriteError | None:
+    """Write one output with its settings and record it in `images`; the error (a full disk) instead of raising."""
+    save_start = time.perf_counter()
+    path = plan.out_dir / request.file_name(pipe.adapter.output_suffix)
+    try:
+        pipe.adapter.save(output, path, text=settings_text(
+            request, model=plan.checkpoint.source, pipeline=plan.checkpoint.pipeline_class, tp=plan.tp, dp=dp,
+            cfg=2 if with_partner else 1, dtype=plan.dtype, loras=plan.loras, key=plan.keys[request.index],
+            cache=plan.settings.get("cache"), ulysses=plan.ulysses, ring=plan.ring, plan=plan.tp_plan))
+    except OSError as caught:  # media's staged writes leave no partial file behind
+        return OutputWriteError(
+            f"Cannot write {path}: {caught.strerror or caught}. The {len(images)} output(s) this group finished "
+            "before it are complete and kept, and no partial file is left; free space (or fix the folder) and rerun "
+            "the same command to make the rest.")
+    save_seconds = time.perf_counter() - save_start
+    images.append({**asdict(request), "file": path.name, "seconds": round(seconds + save_seconds, 4),
+                   "save_seconds": round(save_seconds, 4), "rank": dist.get_rank(), "cfg_parallel": with_partner,
+                   **({"batch": batch} if batch > 1 else {}),
+                   **({"cache": pipe.cache_counts[-1]} if pipe.cache is not None else {})})
+    return None
 
 
 #: Rows of the timing table that count (a step cache's transformer forwards) instead of timing.
@@ -829,6 +892,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"refuse images larger than this many pixels (default {DEFAULT_MAX_PIXELS}, 2048 x 2048); "
                              "the model's own maximum size applies in any case")
     parser.add_argument("--steps", type=positive_int, default=4)
+    parser.add_argument("--batch-size", type=positive_int, default=1, metavar="N",
+                        help="make up to N compatible requests (same size, steps, guidance, no image inputs) per "
+                             "stock pipeline call, each image equal to the one made alone; with --compile the batch "
+                             "shapes 1, 2, 4, ..., N are declared (default 1)")
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds any collective may wait")
     add_launch_arguments(parser, lora_help="a LoRA (.safetensors file, a folder holding one, or a Hub id) fused into "
                                            "every rank's shard at SCALE (default 1); repeat for several. One set for "

@@ -132,6 +132,8 @@ class LaunchSpec:
     buckets: tuple[int, ...] | None = None
     #: Quantized transformer weights (`parallel.quantize.Quantization`), or None.
     quantize: Quantization | None = None
+    #: The batch shapes a compiled pipeline declares (`load_pipeline(batch_sizes=...)`; None: any batch size).
+    batch_sizes: tuple[int, ...] | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -35,6 +35,16 @@ import torch.distributed as dist
 from diffusers import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 from torch.distributed.device_mesh import DeviceMesh
 
+from .batching import (
+    check_batch_sizes,
+    check_batchable,
+    padded_count,
+    resolve_batch_size,
+    seeds_for,
+    split,
+    stack_calls,
+    unstack_calls,
+)
 from .checkpoint import Checkpoint, set_drafter
 from .compat.plans import record_tp_plan, using_plan
 from .compile import compile_repeated_blocks
@@ -60,7 +70,7 @@ from .parallel.lora import FusedLoras
 from .parallel.quantize import check_launch_quantize, quantize_model, quantize_rules
 from .parallel.vae import ParallelVAE, enable_parallel_vae, resolve_parallel_vae
 from .pipelines import PipelineAdapter
-from .pipelines.base import SizeLimits, check_seeds, check_text
+from .pipelines.base import SizeLimits, check_text
 from .pipelines.drafted import drafted_family
 from .pipelines.generic import shared_encoding
 from .pipelines.image_inputs import check_image_kwargs, reads_image, shared_image_inputs, vae_without_coders
@@ -122,6 +132,9 @@ class ParallelPipeline:
     cp_mode: context.RunnerMode | None = None
     #: The VAE split over the image group (`load_pipeline(parallel_vae=...)`), or None: the leader decodes alone.
     parallel_vae: ParallelVAE | None = None
+    #: The batch sizes a call's stock calls run at (`load_pipeline(batch_sizes=...)`: static shapes for compiled
+    #: graphs), or None: each batch at its own size.
+    batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self):
         self.times.time_module(self.adapter.transformer_of(self.pipe), "transformer forward")
@@ -148,13 +161,11 @@ class ParallelPipeline:
         self,
         prompts: str | list[str],
         *,
-        seed: int = 0,
+        seed: int | list[int] = 0,
         negative_prompt: str | list[str] | None = None,
-        check_latents_every: int | None = None,
-        alone: bool = False,
-        image=None,
-        mask_image=None,
-        strength: float | None = None,
+        check_latents_every: int | None = None, alone: bool = False,
+        image=None, mask_image=None, strength: float | None = None,
+        batch_size: int | None = None,
         **pipeline_kwargs,
     ) -> list | None:
         """One image (H3: a `VideoWithAudio`) per prompt, on one rank of the replica; `None` on its other ranks.
@@ -182,21 +193,22 @@ class ParallelPipeline:
         inpainting, Qwen-Image-Edit-Plus, FLUX.2 references, Qwen-Image-2.1 with an image). They are checked before
         anything runs: a class that takes none of them, one that needs an image, a mask of another size, a
         strength outside (0, 1].
+        `batch_size` images share a stock call (default: the largest `load_pipeline(batch_sizes=...)`, else 1), each
+        equal to the image made alone (`batching.py`); `seed` may be a list, one seed per prompt.
         """
         pair = cfg_size(self.mesh) > 1 and not alone
         CallEntry(replica_ranks(self.mesh, with_cfg=pair), "generate", self.entry_timeout_s).enter(
             [self.adapter.pipeline_class, prompts, seed, negative_prompt, check_latents_every, alone, image,
-             mask_image, strength, pipeline_kwargs])
-        prompts = self._check_call(prompts, seed, pipeline_kwargs)
+             mask_image, strength, batch_size, pipeline_kwargs])
+        prompts, seeds = self._check_call(prompts, seed, pipeline_kwargs)
         negatives = self._negatives(negative_prompt, len(prompts))
         image_kwargs = check_image_kwargs(self.adapter, image, mask_image, strength)
         self._check_context_parallel(pipeline_kwargs)
-        joint = pair and self.adapter.uses_true_cfg(negatives[0], pipeline_kwargs)
-        if joint:
-            _check_cfg_parallel_kwargs(self.adapter, pipeline_kwargs)
-        mine = range(len(prompts)) if joint or not pair else range(cfg_rank(self.mesh), len(prompts), 2)
-        outputs, error = self._make_mine(mine, prompts, negatives, seed, joint, check_latents_every, pipeline_kwargs,
-                                         image_kwargs)
+        joint = pair and _check_cfg_parallel_kwargs(self.adapter, negatives[0], pipeline_kwargs)
+        mine = list(range(len(prompts)) if joint or not pair else range(cfg_rank(self.mesh), len(prompts), 2))
+        outputs, error = self._make_mine(self._batches(mine, batch_size, image_kwargs, pipeline_kwargs),
+                                         list(zip(prompts, negatives, strict=True)), seeds, joint,
+                                         check_latents_every, pipeline_kwargs, image_kwargs)
         if pair and not joint:  # the two groups made different images: the pair agrees before it exchanges them
             error = agree(error, self.mesh["cfg"].get_group())
         if error is not None:
@@ -205,31 +217,42 @@ class ParallelPipeline:
             return [outputs[i] for i in range(len(prompts))] if self.is_leader else None
         return self._collect_pair(outputs, len(prompts), joint)
 
-    def _make_mine(self, mine, prompts, negatives, seed, joint, check_latents_every, pipeline_kwargs,
+    def _batches(self, mine: list[int], batch_size, image_kwargs: dict, pipeline_kwargs: dict) -> list[list[int]]:
+        """This group's images, a stock call's worth at a time; a call of several rows (a batch, or one image padded
+        to a declared batch size) is refused up front where it is not shown exact (`batching.check_batchable`)."""
+        batches = split(mine, resolve_batch_size(batch_size, self.batch_sizes))
+        if any(padded_count(len(batch), self.batch_sizes) > 1 for batch in batches):
+            check_batchable(self.adapter, image_kwargs=image_kwargs, cache=self.cache,
+                            splits_vae=self._splits_vae(pipeline_kwargs), context_parallel=self.cp_mode is not None)
+        return batches
+
+    def _make_mine(self, batches, texts, seeds, joint, check_latents_every, pipeline_kwargs,
                    image_kwargs) -> tuple[dict, Exception | None]:
-        """This group's images of the call (index -> output), and the first error, kept for the pair to agree on."""
+        """This group's images of the call (index -> output), and the first error, kept for the pair to agree on.
+        `texts`: (prompt, negative prompt) per image."""
         encode_kwargs = {k: pipeline_kwargs[k] for k in self.adapter.encode_kwargs if k in pipeline_kwargs}
         # A vision-language encoder that reads the image encodes inside the call, where the pipeline resized it.
         in_call = self.adapter.prompt_in_call or (bool(image_kwargs) and reads_image(self.adapter.pipeline_cls()))
         outputs, error = {}, None
         try:
-            for index in mine:
-                outputs[index] = self._make(prompts[index], negatives[index], encode_kwargs, seed + index, joint,
-                                            check_latents_every, pipeline_kwargs, image_kwargs, in_call)
+            for batch in batches:
+                made = self._make([texts[i] for i in batch], [seeds[i] for i in batch], encode_kwargs, joint,
+                                  check_latents_every, pipeline_kwargs, image_kwargs, in_call)
+                outputs.update(zip(batch, made, strict=True))
         except dist.DistError:  # a peer is gone: no agreement is possible, the group is dead
             raise
         except Exception as caught:
             error = caught
         return outputs, error
 
-    def _check_call(self, prompts, seed, pipeline_kwargs: dict) -> list[str]:
-        """Every check of a call's own arguments; it runs on every rank alike, so every rank raises the same error."""
+    def _check_call(self, prompts, seed, pipeline_kwargs: dict) -> tuple[list[str], list[int]]:
+        """Every check of a call's own arguments; it runs on every rank alike, so every rank raises the same error.
+        The prompts as a list, and each image's seed (`batching.seeds_for`)."""
         prompts = [prompts] if isinstance(prompts, str) else prompts
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"`prompts` must be a string or a non-empty list of strings, got {prompts!r:.80}.")
         for index, prompt in enumerate(prompts):
             check_text(prompt, f"prompt {index}")
-        check_seeds(seed, len(prompts), "`seed`")
         for name, why in _OWNED_KWARGS.items():
             if name in pipeline_kwargs:
                 raise ValueError(f"`generate` does not take `{name}`: {why}.")
@@ -241,33 +264,41 @@ class ParallelPipeline:
                 self.size_limits.check(pipeline_kwargs.get("height", smallest),
                                        pipeline_kwargs.get("width", smallest), "`generate`")
             self.size_limits.check_steps(pipeline_kwargs.get("num_inference_steps"), "`generate`")
-        return list(prompts)
+        return list(prompts), seeds_for(seed, len(prompts))
 
-    def _make(self, prompt: str, negative: str | None, encode_kwargs: dict, seed: int, joint: bool,
-              check_latents_every: int | None, pipeline_kwargs: dict, image_kwargs: dict, in_call: bool):
-        """Encode and denoise one image; whatever fails on some rank of the group making it fails on all of them."""
-        output, error = None, None
+    def _make(self, texts: list[tuple], seeds: list[int], encode_kwargs: dict, joint: bool,
+              check_latents_every: int | None, pipeline_kwargs: dict, image_kwargs: dict, in_call: bool) -> list:
+        """Encode and denoise a batch's images (one per (prompt, negative) of `texts`): one stock call, or one per
+        group of rows the adapter lets share a call (`batching.stack_calls`), each padded to a declared batch size
+        with copies of its last row (dropped); whatever fails on some rank of the group fails on all of them."""
+        made, error = {}, None
         try:
             with self.times.phase("encode"):
-                embeds = (_prompt_strings(prompt, negative) if in_call
-                          else self._encode(prompt, negative, encode_kwargs))
-            output = self._denoise(embeds, seed, joint, check_latents_every, {**pipeline_kwargs, **image_kwargs},
-                                   image_kwargs, in_call)
+                calls = [([0], _prompt_strings(*texts[0]))] if in_call else self._encode(texts, encode_kwargs)
+            for positions, embeds in calls:
+                rows = padded_count(len(positions), self.batch_sizes)
+                output = self._denoise(embeds, [seeds[p] for p in positions + positions[-1:] * (rows - len(positions))],
+                                       joint, check_latents_every, {**pipeline_kwargs, **image_kwargs}, image_kwargs,
+                                       in_call)
+                if output is not None:
+                    made.update(zip(positions, [output] if rows == 1 else output, strict=False))
         except dist.DistError:
             raise
         except Exception as caught:
             error = caught
         raise_agreed(error, image_group(self.mesh), self.mesh["cfg"].get_group() if joint else None)
-        return output
+        return [made.get(position) for position in range(len(texts))]
 
-    def _denoise(self, embeds: dict, seed: int, joint: bool, check_latents_every: int | None, pipeline_kwargs: dict,
-                 image_kwargs: dict, in_call: bool):
+    def _denoise(self, embeds: dict, seeds: list[int], joint: bool, check_latents_every: int | None,
+                 pipeline_kwargs: dict, image_kwargs: dict, in_call: bool):
         """One stock pipeline call; with `joint`, the transformer computes only this rank's guidance branch; with
         `image_kwargs`, one rank's VAE encodes for all, or with parallel VAE the image group together (and with
         `in_call` the leader's text encoder reads the image)."""
         branch = cfg_rank(self.mesh) if joint else 0
         cfg_group = self.mesh["cfg"].get_group() if joint else None
-        generator = torch.Generator("cpu").manual_seed(seed)
+        # One CPU generator per row, seeded as the image alone is: stock draws each row of a list on its own.
+        generators = [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
+        generator = generators[0] if len(generators) == 1 else generators
         check = LatentAgreement(image_group(self.mesh), every=check_latents_every, cfg_group=cfg_group,
                                 group_name="image group (TP x context parallel)" if self.cp_mode else None)
         proxy = cfg_parallel_transformer(self.pipe, cfg_group) if joint else nullcontext()
@@ -335,8 +366,11 @@ class ParallelPipeline:
             check_text(negative, f"negative prompt {index}")
         return negatives
 
-    def _encode(self, prompt: str, negative: str | None, encode_kwargs: dict) -> dict[str, torch.Tensor]:
-        """Encode on the leader's CPU, pad to a length bucket, and broadcast to the group on its device.
+    def _encode(self, texts: list[tuple], encode_kwargs: dict) -> list[tuple[list[int], dict]]:
+        """Encode on the leader's CPU, pad to a length bucket, and broadcast to the group on its device: the stock
+        calls of the batch, (positions in `texts`, embeddings) each. Each (prompt, negative) of `texts` is encoded
+        alone, as an unbatched call encodes it; the rows of a call are then stacked to one length with masked
+        positions (`batching.stack_calls`).
 
         With CFG pairs each TP group's leader encodes prompt and negative itself, rather than one leader encoding
         for the pair: the two leaders encode at the same time (no wall time lost), no embeddings cross between
@@ -348,11 +382,12 @@ class ParallelPipeline:
         if self.is_leader:
             try:
                 with torch.no_grad():
-                    embeds = self.adapter.pad(self.adapter.encode(self.encoder, prompt, negative, **encode_kwargs),
-                                              self.buckets)
+                    made = [self.adapter.pad(self.adapter.encode(self.encoder, prompt, negative, **encode_kwargs),
+                                             self.buckets) for prompt, negative in texts]
+                    embeds = stack_calls(made, [self.adapter.batch_key(row) for row in made], self.batch_sizes)
             except Exception as error:  # too long for the largest bucket, a tokenizer error: every rank raises it
                 embeds = shareable(error)
-        return broadcast_from_leader(embeds, image_group(self.mesh), mesh_device(self.mesh))
+        return unstack_calls(broadcast_from_leader(embeds, image_group(self.mesh), mesh_device(self.mesh)))
 
 
 def _prompt_strings(prompt: str, negative: str | None) -> dict:
@@ -360,8 +395,11 @@ def _prompt_strings(prompt: str, negative: str | None) -> dict:
     return {"prompt": prompt} | ({} if negative is None else {"negative_prompt": negative})
 
 
-def _check_cfg_parallel_kwargs(adapter: PipelineAdapter, pipeline_kwargs: dict) -> None:
-    """Refuse what CFG parallelism cannot split, before any step runs."""
+def _check_cfg_parallel_kwargs(adapter: PipelineAdapter, negative: str | None, pipeline_kwargs: dict) -> bool:
+    """Whether a CFG pair's call runs true CFG jointly (`adapter.uses_true_cfg`), refusing what CFG parallelism cannot
+    split, before any step runs."""
+    if not adapter.uses_true_cfg(negative, pipeline_kwargs):
+        return False
     if not adapter.names_cfg_branches:
         raise ValueError(
             f"CFG parallelism does not run {adapter.pipeline_class}'s true CFG: it calls its transformer outside "
@@ -375,6 +413,7 @@ def _check_cfg_parallel_kwargs(adapter: PipelineAdapter, pipeline_kwargs: dict) 
             "each branch's image embeddings into one shared `joint_attention_kwargs` between its cond and uncond "
             "calls. Generate these images on a mesh without a `cfg` dimension (or pass `alone=True`)."
         )
+    return True
 
 
 def context_degree(mesh: DeviceMesh) -> int:
@@ -441,6 +480,7 @@ def load_pipeline(
     plan: str = "default",
     transformer: torch.nn.Module | None = None,
     quantize=None,
+    batch_sizes: tuple[int, ...] | None = None,
 ) -> ParallelPipeline:
     """The stock pipeline of `model` with its transformer streamed shard-by-shard over the mesh's image group.
 
@@ -476,16 +516,17 @@ def load_pipeline(
     MiniMax-H3 always, the others from 1024 x 1024). `True` with a VAE it cannot split is refused before any weight
     is read.
 
-    `transformer` is a prebuilt, unsharded transformer used instead of the folder's weights (`bench device`: a
-    full-size one with random weights), for a one-rank image group only and an instance of the folder's class;
-    anything else is refused before any weight is read. It is moved to the mesh's device.
+    `transformer`: a prebuilt unsharded instance of the folder's class instead of its weights (`bench device`), for
+    a one-rank image group only. `batch_sizes` (e.g. `(1, 2, 4)`): the only batch shapes `generate` runs, a short
+    batch padded up (extra images dropped), a longer one split; `compile.warmup` compiles each (`batching.py`).
     """
     spec, torch_dtype = _spec(model, torch_dtype, dict(
         pipeline_class=pipeline_class, buckets=buckets, loras=loras, cache=cache, cp_any_length=cp_any_length,
         parallel_vae=parallel_vae, plan=plan, quantize=quantize))
     if transformer is not None:
         _check_prebuilt(transformer, spec.checkpoint, mesh)
-    return _Recipe(spec, init_distributed() if mesh is None else mesh, torch_dtype).run(transformer)
+    batch_sizes = spec.batch_sizes if batch_sizes is None else check_batch_sizes(batch_sizes, spec)
+    return _Recipe(spec, init_distributed() if mesh is None else mesh, torch_dtype, batch_sizes).run(transformer)
 
 
 def _spec(model, torch_dtype, front: dict) -> tuple[LaunchSpec, torch.dtype | None]:
@@ -508,8 +549,8 @@ class _Recipe:
     (a spec's `compile`; else the caller's `compile.compile_repeated_blocks`) comes last, over the fused weights and
     every hook."""
 
-    def __init__(self, spec: LaunchSpec, mesh: DeviceMesh, torch_dtype):
-        self.spec, self.mesh, self.torch_dtype = spec, mesh, torch_dtype
+    def __init__(self, spec: LaunchSpec, mesh: DeviceMesh, torch_dtype, batch_sizes: tuple[int, ...] | None = None):
+        self.spec, self.mesh, self.torch_dtype, self.batch_sizes = spec, mesh, torch_dtype, batch_sizes
         self.checkpoint, self.adapter = spec.checkpoint, spec.checkpoint.adapter
         self.device = mesh_device(mesh)
         image_group(mesh)  # created here, where every rank comes: creating it is a collective over the world
@@ -608,7 +649,8 @@ class _Recipe:
             [self.checkpoint.source, str(self.torch_dtype)])
         return ParallelPipeline(self.adapter, pipe, encoder, self.mesh, self.buckets, self.times,
                           checkpoint=self.checkpoint, cp_mode=self.mode, follower_vae=follower_vae,
-                          size_limits=self.adapter.size_limits(self.checkpoint), parallel_vae=handle)
+                          size_limits=self.adapter.size_limits(self.checkpoint), parallel_vae=handle,
+                          batch_sizes=self.batch_sizes)
 
     def fuse_loras(self, pipeline: ParallelPipeline) -> None:
         """The LoRAs read at planning, fused into each rank's final shards (no file is read again)."""

@@ -157,6 +157,9 @@ class PipelineAdapter:
     #: Whether attention is block-causal (Qwen-Image-2.1): context parallelism is then Ulysses only, and without
     #: buckets the text is not padded at all (diffusers' `ulysses_anything`).
     cp_block_causal: bool = False
+    #: Whether one stock call can make several images (`generate(batch_size=...)`, `batching.py`): the stock call
+    #: takes a batch of embeddings and a list of generators. None: why not, in words, for the error.
+    batch_refusal: str | None = ("this adapter's call makes one image at a time; generate with batch_size=1")
 
     #: Whether the stock call gets the prompt strings and encodes them itself (the generic adapter), with the group
     #: leader's encoder answering its `encode_prompt` where `leader_encodes`, else every rank encoding.
@@ -215,6 +218,11 @@ class PipelineAdapter:
     def pad(self, embeds: dict[str, torch.Tensor], buckets: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
         """`embeds` padded to a length bucket (unchanged by default)."""
         return embeds
+
+    def batch_key(self, embeds: dict[str, torch.Tensor]):
+        """Which rows may share a stock call (`batching.stack_calls`): rows with equal keys. None for every row by
+        default: a shorter text right-padded with masked positions gives its image unchanged."""
+        return None
 
     def pad_encoded(self, encoded, buckets: tuple[int, ...]):
         """What the pipeline's own `encode_prompt` returned inside a call with image inputs (the text encoder reads
@@ -311,6 +319,8 @@ class StockPipelineAdapter(PipelineAdapter):
     shared_components: tuple[str, ...] = ()
     #: Call kwargs the adapter fixes, whatever the caller passed (see the subclass for why).
     call_overrides: dict = {}
+    #: Stock calls take a batch of embeddings and one generator per image (`randn_tensor` draws each row alone).
+    batch_refusal = None
 
     def for_pipeline(self, record: PipelineClass, family_classes: tuple[str, ...] = ()) -> StockPipelineAdapter:
         """This adapter driving another stock class on the same transformer: what that class requires beyond the
@@ -471,7 +481,8 @@ class StockPipelineAdapter(PipelineAdapter):
 
     def __call__(self, pipe, embeds: dict[str, torch.Tensor], *, generator, decodes: bool, check, buckets=(),
                  helps_decode: bool = False, **kwargs):
-        """One stock pipeline call on the embeddings; the image where it `decodes`, else `None`.
+        """One stock pipeline call on the embeddings; the image where it `decodes`, else `None` (a batch, with a list
+        of generators: the list of its images).
 
         `check` (a `LatentAgreement`) compares the group's latents at the end of the steps it chooses. `buckets` is
         unused: `pad` already padded the embeddings. A rank that `helps_decode` runs the stock decode too (parallel
@@ -488,7 +499,9 @@ class StockPipelineAdapter(PipelineAdapter):
             callback_on_step_end_tensor_inputs=["latents"],
             **{**kwargs, **self.call_overrides},
         )
-        return output.images[0] if decodes else None
+        if not decodes:
+            return None
+        return [output.images[i] for i in range(len(generator))] if isinstance(generator, list) else output.images[0]
 
 
 def transformer_class_name(cls: type) -> str:

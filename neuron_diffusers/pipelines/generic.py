@@ -101,6 +101,8 @@ class GenericAdapter(StockPipelineAdapter):
 
     pipeline_class = ""
     prompt_in_call = True
+    batch_refusal = ("a drafted pipeline encodes its prompt inside the call, one image a call; generate with "
+                     "batch_size=1")
     #: Whether the class has an `encode_prompt` (then only the leader holds text encoders); set per class.
     leader_encodes = True
     video = False

@@ -99,6 +99,8 @@ class MiniMaxH3Adapter(PipelineAdapter):
     compiled_blocks = ("MiniMaxH3TransformerBlock",)
     output_suffix = ".mp4"
     stock_output_kwargs = {"output": "videos"}
+    batch_refusal = ("MiniMax-H3 packs one request into one sequence (its transformer has no batch dimension), so "
+                     "it makes one clip per call; generate with batch_size=1")
 
     def load_encoder(self, checkpoint: Checkpoint, torch_dtype):
         return _load(_sub_pipeline(checkpoint, "text_encoder"), checkpoint, torch_dtype)

@@ -56,6 +56,12 @@ class QwenImage21Adapter(StockPipelineAdapter):
             f"its rotary table holds {self.rope_negative_positions} negative positions for the rows and columns "
             f"above and left of the image's centre ({token} pixels each); beyond them positions would wrap around")
 
+    def batch_key(self, embeds: dict[str, torch.Tensor]):
+        """The real text lengths (prompt, negative): the image block's RoPE positions start after the text, in one
+        position table for the whole batch, so only rows of one length share a call (`exact_text_padding` then
+        numbers them as unpadded); rows of other lengths run in calls of their own."""
+        return tuple(sorted((name, int(value.sum())) for name, value in embeds.items() if name.endswith("_mask")))
+
     def pad_encoded(self, encoded, buckets: tuple[int, ...]):
         """`encode_prompt(image=...)`'s (embeds, mask, image_pad_mask), padded to a bucket: the vision tokens stay
         where the processor put them (marked in `image_pad_mask`), padded rows are text rows masked out, numbered

@@ -24,6 +24,7 @@ FPS = 16.0
 
 class WanAdapter(StockPipelineAdapter):
     pipeline_class = "WanPipeline"
+    batch_refusal = "Wan's call here returns one clip; batching videos is not supported yet: use batch_size=1"
     static_text_length = True
     cp_text = "fixed"
     text_components = ("text_encoder", "tokenizer")

@@ -1,0 +1,199 @@
+"""Rank jobs for tests/test_batching.py: `generate(batch_size=...)` against each image made alone, on one pipeline.
+
+Each job loads once and records its cases one by one (`rank_cases.record`); the leader's latents come back as
+float32 numpy arrays, with the transformer forwards each way counted (a batch must share its forwards).
+"""
+
+from __future__ import annotations
+
+#: Three prompts of different lengths: the long one crosses Qwen-Image's first text buckets; the first and last
+#: tokenize to the same length (Qwen-Image-2.1 batches only rows of one text length into one call).
+PROMPTS = ["a red fox in the snow",
+           "a lighthouse on a cliff at dusk, waves breaking on black rocks below, gulls circling in a violet sky, "
+           "warm light from the lantern room, oil painting with thick brush strokes and a heavy golden frame",
+           "a red fox on the snow"]
+SEED = 7
+
+
+def _latents(outputs):
+    return None if outputs is None else [output.float().numpy() for output in outputs]
+
+
+def _counting(pipe):
+    """A list that grows by one per transformer forward on this rank, and the hook's handle."""
+    calls = []
+    transformer = pipe.adapter.transformer_of(pipe.pipe)
+    return calls, transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
+
+
+def alone_and_batched(pipe, call: dict, negative: str | None = None, prompts=None) -> dict:
+    """Each prompt made alone (seed + i), the same prompts in one `generate(batch_size=len)`, and a control (prompt 0
+    with another seed), all as latents; the transformer forwards of the alone and the batched calls."""
+    prompts = PROMPTS if prompts is None else prompts
+    call = {**call, "output_type": "latent", **({} if negative is None else {"negative_prompt": negative})}
+    calls, handle = _counting(pipe)
+    try:
+        alone = [pipe.generate(prompt, seed=SEED + index, **call) for index, prompt in enumerate(prompts)]
+        forwards_alone = len(calls)
+        batched = pipe.generate(prompts, seed=SEED, batch_size=len(prompts), **call)
+        forwards_batched = len(calls) - forwards_alone
+    finally:
+        handle.remove()
+    control = pipe.generate(prompts[0], seed=SEED + 100, **call)
+    return {"alone": None if alone[0] is None else [_latents(a)[0] for a in alone], "batched": _latents(batched),
+            "control": _latents(control), "forwards_alone": forwards_alone, "forwards_batched": forwards_batched}
+
+
+def _refusal(fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def _argument_refusals(pipe, call: dict, checkpoint, mesh) -> dict:
+    """What a bad `batch_size`, a seed list of the wrong length and bad `batch_sizes` (also: with a step cache) are
+    told."""
+    from diffusers import FirstBlockCacheConfig
+
+    import neuron_diffusers as nd
+
+    return {"batch_size": _refusal(pipe.generate, PROMPTS, batch_size=0, **call),
+            "seeds": _refusal(pipe.generate, PROMPTS, seed=[1, 2], **call),
+            "batch_sizes": _refusal(nd.load_pipeline, checkpoint, mesh, batch_sizes=(0, 2)),
+            "batch_sizes_cache": _refusal(nd.load_pipeline, checkpoint, mesh, batch_sizes=(1, 2),
+                                          cache=FirstBlockCacheConfig(threshold=0.1))}
+
+
+def batch_tp2_job(checkpoints: dict, calls: dict) -> dict:
+    """At TP=2, per family: alone vs batched (`<family>`), or for a family that cannot batch the refusal
+    (`<family>/refused`); and the argument checks (`arguments`)."""
+    import gc
+
+    from rank_cases import CaseError, one_thread, record
+
+    import neuron_diffusers as nd
+
+    report = {}
+    with one_thread():
+        mesh = nd.init_distributed(tp=2)
+        for family, checkpoint in checkpoints.items():
+            pipe = record(report, family, nd.load_pipeline, checkpoint, mesh)
+            if isinstance(pipe, CaseError):
+                continue
+            if pipe.adapter.batch_refusal:
+                record(report, f"{family}/refused", _refusal, pipe.generate, PROMPTS, batch_size=3, **calls[family])
+                report[family] = None
+            else:
+                record(report, family, alone_and_batched, pipe, calls[family])
+            if family == "flux":
+                record(report, "arguments", _argument_refusals, pipe, calls[family], checkpoint, mesh)
+            del pipe
+            gc.collect()
+    return report
+
+
+def batch_4_ranks_job(cfg_checkpoint, cfg_call: dict, cp_checkpoint, cp_call: dict) -> dict:
+    """On 4 ranks: true CFG on a CFG pair of TP=2 groups (`cfg`, with a negative prompt) and TP=2 x Ulysses=2
+    (`ulysses`), alone vs batched."""
+    import gc
+
+    from rank_cases import CaseError, one_thread, record
+
+    import neuron_diffusers as nd
+
+    report = {}
+    with one_thread():
+        for name, checkpoint, call, layout, negative in (
+                ("cfg", cfg_checkpoint, cfg_call, {"tp": 2, "cfg": 2}, "blurry, dark"),
+                ("ulysses", cp_checkpoint, cp_call, {"tp": 2, "ulysses": 2}, None)):
+            pipe = record(report, name, nd.load_pipeline, checkpoint, nd.init_distributed(**layout))
+            if not isinstance(pipe, CaseError):
+                record(report, name, alone_and_batched, pipe, call, negative)
+            del pipe
+            gc.collect()
+    return report
+
+
+#: Batches of 1 to 4 prompts of both text lengths (buckets 64 and 128 for Qwen-Image), after warm-up.
+COMPILED_BATCHES = [[PROMPTS[0]], [PROMPTS[0], PROMPTS[1]], [PROMPTS[1], PROMPTS[2], PROMPTS[0]],
+                    [PROMPTS[2], PROMPTS[1], PROMPTS[0], PROMPTS[1]]]
+
+
+def batch_compile_job(checkpoint, call: dict, backend: str = "aot_eager") -> dict:
+    """`load_pipeline(batch_sizes=(1, 2, 4), buckets=(64, 128))`, compiled and warmed up (a recompile raises), then
+    `COMPILED_BATCHES`: graphs, recompiles and graph breaks counted from the job's start (dynamo reset first)."""
+    import torch
+    from rank_cases import one_thread
+
+    import neuron_diffusers as nd
+    from neuron_diffusers.compile import compile_repeated_blocks, compile_report, warmup
+
+    with one_thread():
+        torch._dynamo.reset()
+        start = compile_report()
+        pipe = nd.load_pipeline(checkpoint, nd.init_distributed(tp=2), buckets=(64, 128), batch_sizes=(1, 2, 4))
+        compile_repeated_blocks(pipe, backend=backend)
+        sizes = [(call["height"], call["width"])]
+        steps = {k: v for k, v in call.items() if k not in ("height", "width")}
+        guard = warmup(pipe, sizes, on_recompile="raise", **steps)
+        try:
+            warm = compile_report()
+            made = [pipe.generate(batch, seed=SEED, output_type="latent", **call) for batch in COMPILED_BATCHES]
+        finally:
+            guard.remove()
+        after = compile_report()
+    return {"graphs_after_warmup": warm["graphs"] - start["graphs"], "new_graphs": after["graphs"] - warm["graphs"],
+            "new_recompiles": after["recompiles"] - warm["recompiles"],
+            "graph_breaks": after["graph_breaks"] - start["graph_breaks"],
+            "images": None if made[0] is None else [len(images) for images in made]}
+
+
+def _failing_batch(argv: list[str]) -> str:
+    """The job with every multi-image stock call failing: what every rank is told."""
+    from rank_jobs import _job_outputs
+
+    from neuron_diffusers.pipelines.base import StockPipelineAdapter
+
+    call = StockPipelineAdapter.__call__
+
+    def failing(self, pipe, embeds, *, generator, **kwargs):
+        if isinstance(generator, list):
+            raise RuntimeError("injected failure")
+        return call(self, pipe, embeds, generator=generator, **kwargs)
+
+    StockPipelineAdapter.__call__ = failing
+    try:
+        _job_outputs(argv)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        StockPipelineAdapter.__call__ = call
+    return "no failure"
+
+
+def _resumed(argv: list[str]) -> list[int]:
+    """The requests a `--batch-size` job planned over a folder an unbatched job filled finds already done."""
+    from neuron_diffusers.cli import _parser
+    from neuron_diffusers.distributed import detect_runtime
+    from neuron_diffusers.job import plan_job
+
+    args = _parser().parse_args(["generate", *argv])
+    return sorted(plan_job(args, detect_runtime().world_size, "cpu").done)
+
+
+def batch_job_checks(out_root: str, base: list[str]) -> dict:
+    """The `generate` job at TP=2 over the same prompts: unbatched (`alone`), with --batch-size 3 (`batched`), each
+    with its latents per image (`cfg_jobs.job_with_latents`); the batched plan over the unbatched folder (`resume`);
+    a failing batch (`failure`)."""
+    from cfg_jobs import job_with_latents
+    from rank_cases import one_thread, record
+
+    report = {}
+    with one_thread():
+        record(report, "alone", job_with_latents, [*base, "--out", f"{out_root}/alone"])
+        record(report, "batched", job_with_latents, [*base, "--out", f"{out_root}/batched", "--batch-size", "3"])
+        record(report, "resume", _resumed, [*base, "--out", f"{out_root}/alone", "--batch-size", "3"])
+        record(report, "failure", _failing_batch, [*base, "--out", f"{out_root}/failing", "--batch-size", "2"])
+    return report

@@ -1,0 +1,224 @@
+"""`generate(batch_size=...)`: several images per stock pipeline call, each equal to the image made alone.
+
+For every family at TP=2, three prompts of different lengths batched give, image by image, the latents of the same
+prompt made alone (its seed `seed + i`) within 1e-5 (float32), while another seed moves them by more (the control);
+the batch shares its transformer forwards. Then true CFG on a CFG pair (Qwen-Image) and TP=2 x Ulysses=2 (FLUX.1).
+One job per world size on the session's rank pool (`batch_jobs.py`), its cases recorded one by one.
+"""
+
+import batch_jobs
+import numpy as np
+import pytest
+from rank_cases import case
+
+from neuron_diffusers import tiny
+from neuron_diffusers.batching import check_batch_sizes, padded_count, resolve_batch_size, split, stack_rows
+
+#: Max abs difference between a batched image's latents and the image made alone. A batch only changes the row count
+#: of each matmul (and the masked padding of shorter texts): measured 2.4e-7 to 4.8e-7 at TP=2, 1.4e-6 with true CFG
+#: on a CFG pair (Qwen-Image); another seed moves them by 3.5 to 4.8.
+TOLERANCE = 1e-5
+FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21", "h3")  # the five families; Wan refuses like H3
+#: Stock calls a batch of `batch_jobs.PROMPTS` takes: one, or (Qwen-Image-2.1) one per text length, two here.
+CALLS = {"qwenimage21": 2}
+
+
+@pytest.fixture(scope="module")
+def tp2_reports(tiny_checkpoint, rank_pool):
+    checkpoints = {family: tiny_checkpoint(family) for family in FAMILIES}
+    calls = {family: tiny.smallest_call(family) for family in FAMILIES}
+    return rank_pool.run(batch_jobs.batch_tp2_job, 2, checkpoints, calls, timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def four_rank_reports(tiny_checkpoint, rank_pool):
+    return rank_pool.run(batch_jobs.batch_4_ranks_job, 4, tiny_checkpoint("qwenimage"),
+                         tiny.smallest_call("qwenimage"), tiny_checkpoint("flux"), tiny.smallest_call("flux"),
+                         timeout_s=900)
+
+
+def assert_each_image_alone(made: dict, what: str) -> None:
+    """Batched latents equal each image made alone, within `TOLERANCE`; another seed moves image 0 by more."""
+    moved = float(np.abs(made["control"][0] - made["alone"][0]).max())
+    assert moved > TOLERANCE, f"{what}: another seed moves the latents by only {moved:.1e}: blind"
+    assert len(made["batched"]) == len(made["alone"]) == len(batch_jobs.PROMPTS)
+    for index, (batched, alone) in enumerate(zip(made["batched"], made["alone"], strict=True)):
+        assert batched.shape == alone.shape
+        difference = float(np.abs(batched - alone).max())
+        assert difference < TOLERANCE, f"{what}: image {index} differs from the image made alone by {difference:.1e}"
+
+
+def batching_families():
+    from neuron_diffusers.families import get
+
+    return [family for family in FAMILIES if get(family).adapter().batch_refusal is None]
+
+
+@pytest.mark.parametrize("family", batching_families())
+def test_tp2_batch_of_three_lengths_equals_each_image_alone(tp2_reports, family):
+    leader, other = case(tp2_reports, family)
+    assert other["batched"] is None and other["alone"] is None, "only the TP leader returns images"
+    assert_each_image_alone(leader, family)
+
+
+@pytest.mark.parametrize("family", batching_families())
+def test_tp2_batch_shares_its_transformer_forwards(tp2_reports, family):
+    leader, other = case(tp2_reports, family)
+    steps = tiny.smallest_call(family)["num_inference_steps"]
+    assert leader["forwards_alone"] == other["forwards_alone"] == 3 * steps
+    assert leader["forwards_batched"] == other["forwards_batched"] == CALLS.get(family, 1) * steps
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in batching_families()])
+def test_a_family_that_cannot_batch_refuses_on_every_rank(tp2_reports, family):
+    refusals = case(tp2_reports, f"{family}/refused")
+    assert refusals[0] == refusals[1] and "batch_size=1" in refusals[0], refusals
+
+
+def test_bad_batch_arguments_are_refused_with_the_fix(tp2_reports):
+    leader, other = case(tp2_reports, "arguments")
+    assert leader == other
+    assert "positive integer" in leader["batch_size"]
+    assert "Got 2 seeds for 3 prompts" in leader["seeds"]
+    assert "positive integers" in leader["batch_sizes"]
+    assert "a step cache takes one skip decision for a whole batch" in leader["batch_sizes_cache"]
+
+
+def test_cfg_pair_true_cfg_batch_equals_each_image_alone(four_rank_reports):
+    made = case(four_rank_reports, "cfg")
+    assert all(m["batched"] is None for m in made[1:]), "only the pair's leader returns images"
+    assert_each_image_alone(made[0], "qwenimage tp=2 x cfg=2 (true CFG)")
+    assert made[0]["forwards_batched"] == tiny.smallest_call("qwenimage")["num_inference_steps"]
+
+
+def test_tp2_ulysses2_batch_equals_each_image_alone(four_rank_reports):
+    made = case(four_rank_reports, "ulysses")
+    assert all(m["batched"] is None for m in made[1:]), "only the image group's leader returns images"
+    assert_each_image_alone(made[0], "flux tp=2 x ulysses=2")
+
+
+def test_static_batch_sizes_pad_up_or_split():
+    declared = check_batch_sizes([4, 1, 2])
+    assert declared == (1, 2, 4)
+    assert [padded_count(n, declared) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert resolve_batch_size(None, declared) == 4 and resolve_batch_size(8, declared) == 4
+    assert resolve_batch_size(None, None) == 1
+    assert split(list(range(5)), 2) == [[0, 1], [2, 3], [4]]
+
+
+def test_rows_of_different_lengths_stack_right_padded_and_masked():
+    import torch
+
+    short = {"prompt_embeds": torch.ones(1, 2, 3), "prompt_embeds_mask": torch.ones(1, 2, dtype=torch.long)}
+    long = {"prompt_embeds": torch.full((1, 4, 3), 2.0), "prompt_embeds_mask": torch.ones(1, 4, dtype=torch.long)}
+    stacked = stack_rows([short, long])
+    assert stacked["prompt_embeds"].shape == (2, 4, 3)
+    assert stacked["prompt_embeds_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert stacked["prompt_embeds"][0, 2:].abs().sum() == 0
+
+
+@pytest.fixture(scope="module")
+def compiled_report(tiny_checkpoint, rank_pool):
+    return rank_pool.run(batch_jobs.batch_compile_job, 2, tiny_checkpoint("qwenimage"),
+                         tiny.smallest_call("qwenimage"), timeout_s=900)
+
+
+def test_compiled_batches_of_one_to_four_compile_nothing_after_warmup(compiled_report):
+    leader, other = compiled_report
+    assert leader["images"] == [1, 2, 3, 4] and other["images"] is None
+    for report in (leader, other):
+        assert report["graphs_after_warmup"] > 0, "nothing was compiled: the check is blind"
+        assert report["new_graphs"] == 0 and report["new_recompiles"] == 0, report
+        assert report["graph_breaks"] == 0, report
+
+
+# -- the job: --batch-size ---------------------------------------------------------------------------------------
+
+#: Four requests: 0, 1 and 3 compatible (packed into one call of 3), 2 with other steps (made alone).
+JOB_LINES = [{"prompt": batch_jobs.PROMPTS[0]}, {"prompt": batch_jobs.PROMPTS[1], "seed": 40},
+             {"prompt": batch_jobs.PROMPTS[2], "steps": 3}, {"prompt": "a small boat", "seed": 11}]
+
+
+@pytest.fixture(scope="module")
+def job_reports(tiny_checkpoint, rank_pool, tmp_path_factory):
+    import json
+
+    root = tmp_path_factory.mktemp("batch_job")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in JOB_LINES))
+    call = tiny.smallest_call("flux")
+    base = ["--model", str(tiny_checkpoint("flux")), "--prompts", str(prompts), "--tp", "2",
+            "--steps", str(call["num_inference_steps"]), "--height", str(call["height"]), "--width", str(call["width"])]
+    return rank_pool.run(batch_jobs.batch_job_checks, 2, str(root), base, timeout_s=900)
+
+
+def test_pack_groups_compatible_items_in_order():
+    from neuron_diffusers.batching import pack
+
+    items = ["a1", "b1", "a2", "x", "a3", "b2", "x"]
+    key = lambda item: None if item == "x" else item[0]  # noqa: E731
+    assert pack(items, 2, key) == [["a1", "a2"], ["b1", "b2"], ["x"], ["a3"], ["x"]]
+    assert pack(items, 1, key) == [[item] for item in items]
+
+
+def test_job_batch_size_makes_each_image_as_the_unbatched_job(job_reports):
+    alone = case(job_reports, "alone")[0]
+    batched = case(job_reports, "batched")[0]
+    by_file = {image["file"]: image for image in batched["outputs"]["summary"]["images"]}
+    assert [image.get("batch", 1) for image in sorted(by_file.values(), key=lambda i: i["index"])] == [3, 3, 1, 3]
+    # Calls in order: requests 0, 1, 3 in one call of 3 rows, then request 2 alone; unbatched: 0, 1, 2, 3.
+    rows = {0: batched["latents"][0][0][0], 1: batched["latents"][0][0][1], 3: batched["latents"][0][0][2],
+            2: batched["latents"][1][0][0]}
+    moved = float(np.abs(alone["latents"][0][0][0] - alone["latents"][3][0][0]).max())
+    assert moved > TOLERANCE, f"another request moves the latents by only {moved:.1e}: blind"
+    for index, latents in rows.items():
+        difference = float(np.abs(latents - alone["latents"][index][0][0]).max())
+        assert difference < TOLERANCE, f"request {index}: {difference:.1e} from the unbatched job's"
+
+
+def test_job_batch_size_keeps_files_settings_and_summary(job_reports):
+    alone = case(job_reports, "alone")[0]["outputs"]
+    batched = case(job_reports, "batched")[0]["outputs"]
+    assert alone["settings"] == batched["settings"], "the settings inside each output (and its resume key) change"
+    timing = {"seconds", "save_seconds", "batch"}
+    records = [[{k: v for k, v in image.items() if k not in timing} for image in sorted(
+        outputs["summary"]["images"], key=lambda i: i["index"])] for outputs in (alone, batched)]
+    assert records[0] == records[1]
+
+
+def test_job_batch_size_resumes_an_unbatched_folder(job_reports):
+    assert case(job_reports, "resume")[0] == [0, 1, 2, 3]
+
+
+def test_a_failing_batch_names_its_images_on_every_rank(job_reports):
+    messages = case(job_reports, "failure")
+    assert messages[0] == messages[1], messages
+    assert "BatchError: A batch of 2 images failed (00000-a-red-fox-in-the-snow.png, 00001-a-lighthouse" in messages[0]
+    assert "injected failure" in messages[0]
+
+
+def test_job_batch_size_is_refused_where_a_call_cannot_batch(generate_refuses):
+    generate_refuses(["--model", "h3", "--prompt", "a fox", "--batch-size", "2"],
+                     "--batch-size 2: MiniMax-H3 packs one request into one sequence")
+    generate_refuses(["--model", "flux", "--prompt", "a fox", "--batch-size", "2", "--cache", "first-block:0.1"],
+                     "--batch-size 2: a step cache takes one skip decision for a whole batch")
+
+
+# -- bench throughput ----------------------------------------------------------------------------------------------
+
+def test_bench_throughput_measures_batch_1_2_4_in_one_run(tiny_checkpoint, rank_pool, monkeypatch):
+    """`bench throughput`'s path at tiny size: the ranks' measurements (on the session's pool instead of spawned
+    ranks) become one table with images/s for batch 1, 2 and 4 side by side."""
+    from neuron_diffusers.tools.bench import throughput
+
+    def on_pool(fn, ranks, *args, timeout_s):
+        return rank_pool.run(fn, ranks, *args, timeout_s=timeout_s)
+
+    monkeypatch.setattr(throughput, "run_on_cpu_ranks", on_pool)
+    result = throughput.measure(str(tiny_checkpoint("flux")), 2, steps=1, size=32, images=4, batches=[1, 2, 4],
+                                rounds=1)
+    assert list(result["batches"]) == ["1", "2", "4"]
+    for row in result["batches"].values():
+        assert row["images_per_second"] > 0 and row["latency_p95_s"] >= row["latency_p50_s"] > 0
+    table = throughput.format_table(result)
+    assert [line.split("|")[1].strip() for line in table.splitlines()[3:]] == ["1", "2", "4"]
