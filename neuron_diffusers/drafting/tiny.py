@@ -33,12 +33,13 @@ _WIDTH = re.compile(r"(dim|dims|size|channels|features|width)$")
 _KEEP = re.compile(r"sample_size|patch_size|max_|pos_embed|freq|num_positions|seq_len|vocab|rope_theta|_len$")
 #: Config keys that hold the text states' width, most specific first.
 TEXT_KEYS = ("joint_attention_dim", "text_embed_dim", "text_dim", "caption_channels", "cross_attention_dim",
-             "context_in_dim", "text_hidden_dim", "encoder_hidden_dim", "text_states_dim")
+             "context_in_dim", "text_hidden_dim", "encoder_hidden_dim", "text_states_dim", "cap_feat_dim",
+             "cond_token_dim", "dit_text_dim")
 #: Full-size config values some classes' defaults leave unset (None: diffusers expects a checkpoint's config), taken
 #: from their public checkpoints: data, applied before the drafter reads the class and before shrinking.
 DEFAULT_CONFIG_GAPS: dict[str, dict] = {
     "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2},
-    "LatteTransformer3DModel": {"in_channels": 4, "out_channels": 8, "patch_size": 2, "cross_attention_dim": 1152,
+    "LatteTransformer3DModel": {"attention_head_dim": 72, "in_channels": 4, "out_channels": 8, "patch_size": 2, "cross_attention_dim": 1152,
                                 "caption_channels": 4096, "num_embeds_ada_norm": 1000},
     "LuminaNextDiT2DModel": {"num_kv_heads": 8},
     "Transformer2DModel": {"in_channels": 320, "cross_attention_dim": 768},  # a Stable Diffusion UNet stage
@@ -46,6 +47,9 @@ DEFAULT_CONFIG_GAPS: dict[str, dict] = {
 #: Per-class config values the rule cannot derive (data, not code): class -> {key: value}.
 CONFIG_EXCEPTIONS: dict[str, dict] = {
     "HunyuanVideoTransformer3DModel": {"rope_axes_dim": (4, 6, 6)},
+    # FramePack's image projection and clean-latent embedder (what its checkpoint turns on)
+    "HunyuanVideoFramepackTransformer3DModel": {"has_image_proj": True, "has_clean_x_embedder": True},
+    "LatteTransformer3DModel": {"video_length": 2},  # its temporal positions are sized for the sample's frames
     # Learned/sincos positions sized for the sample: a sample as small as the tiny latents (2 latent frames).
     "CogVideoXTransformer3DModel": {"sample_width": 8, "sample_height": 8, "sample_frames": 5,
                                     "max_text_seq_length": TEXT_LEN},
@@ -87,6 +91,38 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
     # 16 prior (VQ) tokens, one per 2 x 2 patch of the 8 x 8 latents, none dropped
     "GlmImageTransformer2DModel": {"prior_token_id": lambda g: torch.randint(0, 432, (BATCH, 16), generator=g),
                                    "prior_token_drop": torch.zeros(BATCH, dtype=torch.bool)},
+    "HunyuanVideo15Transformer3DModel": {"timestep_r": None,  # no mean-flow timestep without use_meanflow
+                                         "image_embeds": lambda g: torch.randn(BATCH, 3, 48, generator=g),  # i2v
+                                         "encoder_hidden_states_2": lambda g: torch.randn(BATCH, 4, 48, generator=g),
+                                         "encoder_attention_mask_2": torch.ones(BATCH, 4)},
+    "StableAudio3DiTModel": {"global_hidden_states": lambda g: torch.randn(BATCH, 48, generator=g)},  # [B, width]
+    # text states of every text-encoder layer [B, T, layers, width]
+    "Krea2Transformer2DModel": {"encoder_hidden_states": lambda g: torch.randn(BATCH, TEXT_LEN, 2, 48, generator=g)},
+    # one text-encoder layer's states per block (2 joint + 2 single)
+    "BriaFiboTransformer2DModel": {"text_encoder_layers": lambda g: [torch.randn(BATCH, TEXT_LEN, 48, generator=g)
+                                                                     for _ in range(4)], "guidance": None},
+    # per-frame timesteps [B, frames] (the flow map's start time too), frames-first latents of 2 frames
+    "AnyFlowTransformer3DModel": {"timestep": torch.full((BATCH, 2), 500.0), "r_timestep": torch.full((BATCH, 2), 250.0)},
+    "AnyFlowFARTransformer3DModel": {"timestep": torch.full((BATCH, 2), 500.0),
+                                     "r_timestep": torch.full((BATCH, 2), 250.0), "chunk_partition": [1, 1]},
+    # packed patches [B, patches, C, pt, ph, pw] and each sample's patch grids
+    "JoyImageEditPlusTransformer3DModel": {"hidden_states": lambda g: torch.randn(BATCH, 2, 16, 1, 2, 2, generator=g),
+                                           "shape_list": [[(1, 1, 1), (1, 1, 1)]] * BATCH},
+    # image-encoder states [B, L, image_proj_dim] and the latent frames' indices (2 frames)
+    "HunyuanVideoFramepackTransformer3DModel": {"image_embeds": lambda g: torch.randn(BATCH, TEXT_LEN, 48, generator=g),
+                                                "indices_latents": torch.ones(2),
+                                                # the clean and history latents it conditions on (1, 1, 4 frames)
+                                                "latents_clean": lambda g: torch.randn(BATCH, 16, 1, 8, 8, generator=g),
+                                                "indices_latents_clean": torch.ones(1),
+                                                "latents_history_2x": lambda g: torch.randn(BATCH, 16, 1, 8, 8,
+                                                                                            generator=g),
+                                                "indices_latents_history_2x": torch.ones(1),
+                                                "latents_history_4x": lambda g: torch.randn(BATCH, 16, 4, 8, 8,
+                                                                                            generator=g),
+                                                "indices_latents_history_4x": torch.ones(4)},
+    # its masks reshape per head (not a [B, T] padding mask); temporal attention on
+    "LatteTransformer3DModel": {"attention_mask": None, "encoder_attention_mask": None,
+                                "enable_temporal_attentions": True},
     # acoustic latents [B, L, 64] and the context latents concatenated to them (192 input channels in all)
     "AceStepTransformer1DModel": {"hidden_states": lambda g: torch.randn(BATCH, 16, 64, generator=g),
                                   "context_latents": lambda g: torch.randn(BATCH, 16, 128, generator=g),
@@ -177,7 +213,8 @@ def _patch(config) -> tuple[int, int]:
 
 
 def _latents(layout: str, config, generator) -> torch.Tensor:
-    channels = _config_int(config, "in_channels", "in_dim", "input_dim", "latent_channels", default=16)
+    channels = _config_int(config, "in_channels", "in_dim", "input_dim", "latent_channels", "io_channels", "latent_dim",
+                           default=16)
     patch, temporal = _patch(config)
     side = 4 * patch
     shapes = {"image": (BATCH, channels, side, side), "video": (BATCH, channels, 2 * temporal, side, side),
