@@ -39,7 +39,8 @@ TEXT_KEYS = ("joint_attention_dim", "text_embed_dim", "text_dim", "caption_chann
 #: from their public checkpoints: data, applied before the drafter reads the class and before shrinking.
 DEFAULT_CONFIG_GAPS: dict[str, dict] = {
     "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2},
-    "LatteTransformer3DModel": {"attention_head_dim": 72, "in_channels": 4, "out_channels": 8, "patch_size": 2, "cross_attention_dim": 1152,
+    "LatteTransformer3DModel": {"attention_head_dim": 72, "in_channels": 4, "out_channels": 8, "patch_size": 2,
+                                "cross_attention_dim": 1152,
                                 "caption_channels": 4096, "num_embeds_ada_norm": 1000},
     "LuminaNextDiT2DModel": {"num_kv_heads": 8},
     "Transformer2DModel": {"in_channels": 320, "cross_attention_dim": 768},  # a Stable Diffusion UNet stage
@@ -102,7 +103,8 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
     "BriaFiboTransformer2DModel": {"text_encoder_layers": lambda g: [torch.randn(BATCH, TEXT_LEN, 48, generator=g)
                                                                      for _ in range(4)], "guidance": None},
     # per-frame timesteps [B, frames] (the flow map's start time too), frames-first latents of 2 frames
-    "AnyFlowTransformer3DModel": {"timestep": torch.full((BATCH, 2), 500.0), "r_timestep": torch.full((BATCH, 2), 250.0)},
+    "AnyFlowTransformer3DModel": {"timestep": torch.full((BATCH, 2), 500.0),
+                                  "r_timestep": torch.full((BATCH, 2), 250.0)},
     "AnyFlowFARTransformer3DModel": {"timestep": torch.full((BATCH, 2), 500.0),
                                      "r_timestep": torch.full((BATCH, 2), 250.0), "chunk_partition": [1, 1]},
     # packed patches [B, patches, C, pt, ph, pw] and each sample's patch grids
