@@ -61,7 +61,10 @@ CONFIG_EXCEPTIONS: dict[str, dict] = {
     "PixArtTransformer2DModel": {"attention_head_dim": 24},  # its size conditioning splits the width in 3 parts
     "Transformer2DModel": {"in_channels": 32},  # its GroupNorm has 32 groups
     "AceStepTransformer1DModel": {"in_channels": 192},  # acoustic (64) + context (128) latents, not a width
-    "Ideogram4Transformer2DModel": {"mrope_section": (4, 2, 2)},  # rotary sections summing to half the tiny head
+    "Ideogram4Transformer2DModel": {"mrope_section": (4, 2, 2)},
+    # 8 latent channels: with 16, the final layer's 2 x 2 patch output (64) equals the tiny width, and its two
+    # Linears read as an MLP pair (they are not one at full size)
+    "ZImageTransformer2DModel": {"in_channels": 8},  # rotary sections summing to half the tiny head
 }
 #: Per-class forward inputs the rule cannot derive: class -> {parameter: value, or a function of the generator}.
 INPUT_EXCEPTIONS: dict[str, dict] = {
@@ -70,7 +73,7 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
                                                                  "aspect_ratio": torch.ones(BATCH, 1)}},
     "WanVACETransformer3DModel": {"control_hidden_states": lambda g: torch.randn(BATCH, 96, 2, 8, 8, generator=g)},
     # lists of per-sample tensors: latents [C, F, H, W] and caption features [L, cap_feat_dim]
-    "ZImageTransformer2DModel": {"x": lambda g: [torch.randn(16, 1, 8, 8, generator=g) for _ in range(BATCH)],
+    "ZImageTransformer2DModel": {"x": lambda g: [torch.randn(8, 1, 8, 8, generator=g) for _ in range(BATCH)],
                                  "t": lambda g: torch.tensor([0.5, 0.25]),
                                  "cap_feats": lambda g: [torch.randn(TEXT_LEN, 48, generator=g) for _ in range(BATCH)]},
     "NucleusMoEImageTransformer2DModel": {"img_shapes": [[(1, 4, 4)]] * BATCH},  # 16 packed tokens, 4 x 4
@@ -93,7 +96,7 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
     "GlmImageTransformer2DModel": {"prior_token_id": lambda g: torch.randint(0, 432, (BATCH, 16), generator=g),
                                    "prior_token_drop": torch.zeros(BATCH, dtype=torch.bool)},
     "HunyuanVideo15Transformer3DModel": {"timestep_r": None,  # no mean-flow timestep without use_meanflow
-                                         "image_embeds": lambda g: torch.randn(BATCH, 3, 48, generator=g),  # i2v
+                                         "image_embeds": lambda g: torch.randn(BATCH, 4, 48, generator=g),  # i2v
                                          "encoder_hidden_states_2": lambda g: torch.randn(BATCH, 4, 48, generator=g),
                                          "encoder_attention_mask_2": torch.ones(BATCH, 4)},
     "StableAudio3DiTModel": {"global_hidden_states": lambda g: torch.randn(BATCH, 48, generator=g)},  # [B, width]

@@ -21,9 +21,10 @@ from pathlib import Path
 import diffusers
 
 from ... import __version__
-from ...drafting import Draft, draft_plan
-from ...drafting.coverage import coverage, style_text, tiny_entry
+from ...drafting import Draft, draft_plan, shipped
+from ...drafting.coverage import coverage, tiny_entry, verified_plans
 from ...drafting.proof import verify_drafts
+from ...drafting.shipped import style_text
 from .meta import meta_transformer
 
 
@@ -183,6 +184,8 @@ def _draft_all(args) -> int:
     docs.mkdir(parents=True, exist_ok=True)
     (docs / "coverage.json").write_text(json.dumps({**meta, "rows": rows}, indent=1, default=str) + "\n")
     (docs / "coverage.md").write_text(coverage_markdown(rows, meta))
+    if not args.classes:  # the package data the generic adapter loads: every verified plan, so only from a full run
+        shipped.PATH.write_text(json.dumps({**meta, "plans": verified_plans(rows)}, indent=1, sort_keys=True) + "\n")
     if args.json:
         print(json.dumps({**meta, "rows": rows}, indent=1, default=str))
     else:
