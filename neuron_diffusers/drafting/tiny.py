@@ -44,6 +44,15 @@ DEFAULT_CONFIG_GAPS: dict[str, dict] = {
                                 "caption_channels": 4096, "num_embeds_ada_norm": 1000},
     "LuminaNextDiT2DModel": {"num_kv_heads": 8},
     "Transformer2DModel": {"in_channels": 320, "cross_attention_dim": 768},  # a Stable Diffusion UNet stage
+    "DreamLiteTransformer2DModel": {"in_channels": 320, "cross_attention_dim": 768},  # a UNet stage, as above
+    "TransformerTemporalModel": {"in_channels": 320},  # a video UNet's temporal stage
+    "EasyAnimateTransformer3DModel": {"in_channels": 16, "out_channels": 16, "patch_size": 2},
+    # Phi-3's rotary scaling: one factor per rotary frequency (head size 96 / 2)
+    "OmniGenTransformer2DModel": {"rope_scaling": {"short_factor": [1.0] * 48, "long_factor": [1.0] * 48}},
+    # T5 and Llama-3 text widths; which Llama layer feeds each of the 16 + 32 blocks changes no module
+    "HiDreamImageTransformer2DModel": {"patch_size": 2, "in_channels": 16, "out_channels": 16,
+                                       "caption_channels": [4096, 4096], "llama_layers": list(range(48)),
+                                       "axes_dims_rope": (64, 32, 32)},
 }
 #: Per-class config values the rule cannot derive (data, not code): class -> {key: value}.
 CONFIG_EXCEPTIONS: dict[str, dict] = {
@@ -60,6 +69,12 @@ CONFIG_EXCEPTIONS: dict[str, dict] = {
     "WanVACETransformer3DModel": {"vace_layers": [0]},  # must name blocks the tiny model has
     "PixArtTransformer2DModel": {"attention_head_dim": 24},  # its size conditioning splits the width in 3 parts
     "Transformer2DModel": {"in_channels": 32},  # its GroupNorm has 32 groups
+    "DreamLiteTransformer2DModel": {"in_channels": 32},
+    "TransformerTemporalModel": {"in_channels": 32},
+    "OmniGenTransformer2DModel": {"rope_scaling": {"short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
+    # two Llama layers, each feeding one joint and one single block; T5 and Llama widths kept small
+    "HiDreamImageTransformer2DModel": {"llama_layers": (0, 1, 0, 1), "caption_channels": (48, 48),
+                                       "axes_dims_rope": (8, 4, 4)},
     "AceStepTransformer1DModel": {"in_channels": 192},  # acoustic (64) + context (128) latents, not a width
     "Ideogram4Transformer2DModel": {"mrope_section": (4, 2, 2)},
     # 8 latent channels: with 16, the final layer's 2 x 2 patch output (64) equals the tiny width, and its two
@@ -128,6 +143,18 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
     # its masks reshape per head (not a [B, T] padding mask); temporal attention on
     "LatteTransformer3DModel": {"attention_mask": None, "encoder_attention_mask": None,
                                 "enable_temporal_attentions": True},
+    # 24 prompt tokens, one input image of 16 patches, a joint mask and positions over 24 + 1 + 16 positions
+    "OmniGenTransformer2DModel": {"input_ids": lambda g: torch.randint(0, 10, (BATCH, 24), generator=g),
+                                  "input_img_latents": lambda g: [torch.randn(1, 4, 8, 8, generator=g)],
+                                  "input_image_sizes": {0: [[0, 16]]}, "attention_mask": torch.ones(BATCH, 41, 41),
+                                  "position_ids": torch.arange(41).expand(BATCH, 41),
+                                  "timestep": torch.tensor([0.5, 0.25])},
+    "HiDreamImageTransformer2DModel": {
+        "encoder_hidden_states_t5": lambda g: torch.randn(BATCH, 8, 48, generator=g),
+        "encoder_hidden_states_llama3": lambda g: torch.randn(2, BATCH, 8, 48, generator=g),
+        "pooled_embeds": lambda g: torch.randn(BATCH, 96, generator=g), "timesteps": torch.tensor([500.0, 250.0])},
+    "EasyAnimateTransformer3DModel": {"timestep_cond": None},  # no timestep-condition projection by default
+    "TransformerTemporalModel": {"encoder_hidden_states": None},  # temporal self-attention only (no text width)
     # acoustic latents [B, L, 64] and the context latents concatenated to them (192 input channels in all)
     "AceStepTransformer1DModel": {"hidden_states": lambda g: torch.randn(BATCH, 16, 64, generator=g),
                                   "context_latents": lambda g: torch.randn(BATCH, 16, 128, generator=g),
