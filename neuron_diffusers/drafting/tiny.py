@@ -76,10 +76,13 @@ CONFIG_EXCEPTIONS: dict[str, dict] = {
     "HiDreamImageTransformer2DModel": {"llama_layers": (0, 1, 0, 1), "caption_channels": (48, 48),
                                        "axes_dims_rope": (8, 4, 4)},
     "AceStepTransformer1DModel": {"in_channels": 192},  # acoustic (64) + context (128) latents, not a width
-    "Ideogram4Transformer2DModel": {"mrope_section": (4, 2, 2)},
+    # rotary sections summing to half the tiny head; a modulation width unlike the latent channels (48), or the final
+    # layer's two Linears (64 -> 48, 48 -> 64) read as an MLP pair (they are not one at full size)
+    "Ideogram4Transformer2DModel": {"mrope_section": (4, 2, 2), "adaln_dim": 32},
     # 8 latent channels: with 16, the final layer's 2 x 2 patch output (64) equals the tiny width, and its two
     # Linears read as an MLP pair (they are not one at full size)
-    "ZImageTransformer2DModel": {"in_channels": 8},  # rotary sections summing to half the tiny head
+    "ZImageTransformer2DModel": {"in_channels": 8},
+    "Lumina2Transformer2DModel": {"in_channels": 8},  # as Z-Image: its output norm's two Linears, else a false pair  # rotary sections summing to half the tiny head
 }
 #: Per-class forward inputs the rule cannot derive: class -> {parameter: value, or a function of the generator}.
 INPUT_EXCEPTIONS: dict[str, dict] = {
