@@ -82,7 +82,7 @@ CONFIG_EXCEPTIONS: dict[str, dict] = {
     # 8 latent channels: with 16, the final layer's 2 x 2 patch output (64) equals the tiny width, and its two
     # Linears read as an MLP pair (they are not one at full size)
     "ZImageTransformer2DModel": {"in_channels": 8},
-    "Lumina2Transformer2DModel": {"in_channels": 8},  # as Z-Image: its output norm's two Linears, else a false pair  # rotary sections summing to half the tiny head
+    "Lumina2Transformer2DModel": {"in_channels": 8},  # as Z-Image: its output norm's two Linears, else a false pair
 }
 #: Per-class forward inputs the rule cannot derive: class -> {parameter: value, or a function of the generator}.
 INPUT_EXCEPTIONS: dict[str, dict] = {
