@@ -279,10 +279,14 @@ def read_mlps(model: torch.nn.Module, roles: Roles) -> None:
 
 
 def _hidden_norm(module: torch.nn.Module, linears) -> str | None:
-    """A norm over the MLP's hidden width (between its Linears) needs the whole hidden: the pattern is refused."""
+    """A norm over the MLP's hidden width (between its Linears), or any other module holding a parameter as wide as
+    it (a ConvNeXt GRN's gamma, a layer scale), needs the whole hidden: the pattern is refused."""
     hidden = {m.in_features for _, m in linears[-1:]}
     for name, child in module.named_modules():
-        if not isinstance(child, torch.nn.Linear) and _norm_width(child) in hidden and list(child.parameters()):
+        if isinstance(child, torch.nn.Linear):
+            continue
+        if (_norm_width(child) in hidden and list(child.parameters())) \
+                or any(p.numel() in hidden for p in child.parameters(recurse=False)):
             return name
     return None
 
