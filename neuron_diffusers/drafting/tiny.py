@@ -38,7 +38,7 @@ TEXT_KEYS = ("joint_attention_dim", "text_embed_dim", "text_dim", "caption_chann
 #: Full-size config values some classes' defaults leave unset (None: diffusers expects a checkpoint's config), taken
 #: from their public checkpoints: data, applied before the drafter reads the class and before shrinking.
 DEFAULT_CONFIG_GAPS: dict[str, dict] = {
-    "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2},
+    "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2, "hidden_size": 1408},  # 16 heads x 88
     "LatteTransformer3DModel": {"attention_head_dim": 72, "in_channels": 4, "out_channels": 8, "patch_size": 2,
                                 "cross_attention_dim": 1152,
                                 "caption_channels": 4096, "num_embeds_ada_norm": 1000},
@@ -82,6 +82,7 @@ CONFIG_EXCEPTIONS: dict[str, dict] = {
     # 8 latent channels: with 16, the final layer's 2 x 2 patch output (64) equals the tiny width, and its two
     # Linears read as an MLP pair (they are not one at full size)
     "ZImageTransformer2DModel": {"in_channels": 8},
+    "HunyuanDiT2DModel": {"text_len": 8, "text_len_t5": 8, "cross_attention_dim_t5": 48},  # its learned text padding
     "Lumina2Transformer2DModel": {"in_channels": 8},  # as Z-Image: its output norm's two Linears, else a false pair
 }
 #: Per-class forward inputs the rule cannot derive: class -> {parameter: value, or a function of the generator}.
@@ -156,6 +157,15 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
         "encoder_hidden_states_t5": lambda g: torch.randn(BATCH, 8, 48, generator=g),
         "encoder_hidden_states_llama3": lambda g: torch.randn(2, BATCH, 8, 48, generator=g),
         "pooled_embeds": lambda g: torch.randn(BATCH, 96, generator=g), "timesteps": torch.tensor([500.0, 250.0])},
+    # CLIP and T5 states (8 tokens each) with masks, size/crop conditioning, style, rotary (cos, sin) per patch
+    "HunyuanDiT2DModel": {"encoder_hidden_states": lambda g: torch.randn(BATCH, 8, 48, generator=g),
+                          "text_embedding_mask": torch.ones(BATCH, 8),
+                          "encoder_hidden_states_t5": lambda g: torch.randn(BATCH, 8, 48, generator=g),
+                          "text_embedding_mask_t5": torch.ones(BATCH, 8),
+                          "image_meta_size": torch.tensor([[1024.0, 1024, 16, 16, 0, 0]] * BATCH),
+                          "style": torch.zeros(BATCH, dtype=torch.long),
+                          "image_rotary_emb": lambda g: (torch.randn(16, 16, generator=g),
+                                                         torch.randn(16, 16, generator=g))},
     "EasyAnimateTransformer3DModel": {"timestep_cond": None},  # no timestep-condition projection by default
     "TransformerTemporalModel": {"encoder_hidden_states": None},  # temporal self-attention only (no text width)
     # acoustic latents [B, L, 64] and the context latents concatenated to them (192 input channels in all)
