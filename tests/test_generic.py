@@ -134,10 +134,9 @@ def _json_only_folder(path, pipeline: str, component: str, model_class: str):
 
 
 @pytest.mark.parametrize("pipeline, component, model_class, message", [
-    # Its q / k norms span every head together: no plan can split the heads, and nothing else is worth sharding.
-    ("SanaVideoPipeline", "transformer", "SanaVideoTransformer3DModel",
-     "SanaVideoPipeline runs a SanaVideoTransformer3DModel, for which no tensor-parallel plan can be drafted: "
-     ".*norm_q"),
+    # Its attention's Q/K/V are one fused projection with no declared packed layout: nothing can be split by heads.
+    ("PRXPipeline", "transformer", "PRXTransformer2DModel",
+     "PRXPipeline runs a PRXTransformer2DModel, for which no tensor-parallel plan can be drafted: .*to_q"),
     ("PixArtSigmaPipeline", "transformer", "PixArtTransformer2DModel",
      "PixArtSigmaPipeline takes no `callback_on_step_end`, which the check that every rank holds the same latents"),
     ("StableDiffusionPipeline", "unet", "UNet2DConditionModel",

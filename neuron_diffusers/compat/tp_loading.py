@@ -154,11 +154,32 @@ def _set_local_heads(model: torch.nn.Module) -> None:
         if not (isinstance(heads, int) and isinstance(weight, DTensor)):
             continue
         local_width = weight.to_local().shape[0]
+        inner = getattr(module, "inner_dim", None)
+        head_size = head_dim if isinstance(head_dim, int) else (inner // heads if isinstance(inner, int) else None)
+        if head_size:
+            _set_local_kv(module, head_size)
         if isinstance(head_dim, int):
             module.heads = local_width // head_dim
         elif isinstance(getattr(module, "inner_dim", None), int):
             module.heads = local_width // (module.inner_dim // heads)
             module.inner_dim = local_width
+
+
+def _set_local_kv(module: torch.nn.Module, head_size: int) -> None:
+    """Grouped-query attention: processors also read the K/V head count or width from the module (`kv_heads`,
+    `inner_kv_dim`, named per class). Each int attribute named for heads or an inner width that counts `to_k`'s
+    whole output (in heads or features) is set to this rank's share, read from `to_k`'s local shard."""
+    key = getattr(getattr(module, "to_k", None), "weight", None)
+    if not isinstance(key, DTensor) or key.shape[0] == key.to_local().shape[0]:
+        return
+    whole, local = key.shape[0], key.to_local().shape[0]
+    for name, value in list(vars(module).items()):
+        if name in ("heads", "inner_dim", "head_dim") or type(value) is not int:
+            continue
+        if "heads" in name and value * head_size == whole:
+            setattr(module, name, local // head_size)
+        elif name.startswith("inner") and name.endswith("dim") and value == whole:
+            setattr(module, name, local)
 
 
 def wrap_apply_tensor_parallel(stock):

@@ -7,6 +7,7 @@ reason. Families with a hand-written plan show it beside the draft.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +24,7 @@ from ..tp_plans.styles import ShardedRMSNorm
 from .context import CpDraft, draft_cp_plans, plan_text
 from .draft import Draft, draft_plan
 from .proof import verify_cp, verify_drafts
+from .shipped import plan_text as rules_text
 from .tiny import full_size_config, tiny_case
 
 REPORT_TP = 8
@@ -37,16 +39,6 @@ def transformer_classes() -> list[str]:
     return sorted(name for name in dir(transformers)
                   if isinstance(getattr(transformers, name), type)
                   and issubclass(getattr(transformers, name), diffusers.ModelMixin))
-
-
-def style_text(style) -> str:
-    """A style as plan-file source: `"colwise"`, `PackedRowwiseParallel([1, 4])`, `GatheredColwiseParallel()`."""
-    if isinstance(style, str):
-        return f'"{style}"'
-    blocks = getattr(style, "blocks", None)
-    if type(style).__name__.startswith("Packed"):
-        return f"{type(style).__name__}({blocks!r})" if blocks is not None else f"{type(style).__name__}()"
-    return repr(style)
 
 
 def _weights(model: torch.nn.Module, plan: dict | None, degrees: list[int]) -> dict | None:
@@ -100,7 +92,9 @@ def tiny_entry(name: str, workdir: Path, base: dict | None = None) -> tuple[dict
         return {"miss": f"plan check: {draft.check_errors[0]}"[:300]}, None
     if 2 not in draft.degrees:
         return {"miss": f"the tiny instance cannot be split at TP=2 (degrees {draft.degrees})"}, None
-    return {"tiny_rules": len(draft.plan)}, (case, draft.plan)
+    config = json.loads((case.checkpoint / "transformer" / "config.json").read_text())
+    return {"tiny_rules": len(draft.plan), "tiny_plan": rules_text(draft.plan), "shard_norms": True,
+            "tiny_config": config}, (case, draft.plan)
 
 
 def coverage(names: list[str] | None = None, log=print, context: bool = True) -> list[dict]:
@@ -127,6 +121,13 @@ def coverage(names: list[str] | None = None, log=print, context: bool = True) ->
         if context:
             _context_parallel(pending, rows, log)
     return [rows[name] for name in names]
+
+
+def verified_plans(rows: list[dict]) -> dict:
+    """The package data (`shipped.py`): each TP=2-verified class's plan, its `shard_norms`, the tiny config."""
+    return {r["class"]: {"plan": r["tiny_plan"], "shard_norms": r["shard_norms"], "tiny_config": r["tiny_config"],
+                         "tp2_diff": r["verified"]["diff"]}
+            for r in rows if r.get("verified", {}).get("ok")}
 
 
 def _cp_entries(pending: dict, rows: dict) -> dict:
@@ -213,4 +214,5 @@ def _verify_fallbacks(pending: dict, rows: dict, log) -> None:
         for name in chunk:
             if rows[name]["verified"]["ok"]:
                 pending[name] = fallbacks[name]
-                rows[name]["tiny_rules"] = len(fallbacks[name][1])
+                rows[name].update(tiny_rules=len(fallbacks[name][1]), tiny_plan=rules_text(fallbacks[name][1]),
+                                  shard_norms=False)

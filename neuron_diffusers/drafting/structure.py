@@ -29,9 +29,10 @@ ATTENTION_TYPES = (Attention, AttentionModuleMixin)
 #: Attention projections by the attribute diffusers' attention classes hold them in.
 COLWISE_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
 ROWWISE_PROJECTIONS = ("to_out", "to_add_out")
-QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "q_rms_norm", "k_rms_norm")
 #: The projection each Q/K norm normalizes the output of.
-NORMED_PROJECTIONS = {"norm_q": "to_q", "norm_k": "to_k", "norm_added_q": "add_q_proj", "norm_added_k": "add_k_proj"}
+NORMED_PROJECTIONS = {"norm_q": "to_q", "norm_k": "to_k", "norm_added_q": "add_q_proj", "norm_added_k": "add_k_proj",
+                      "q_rms_norm": "to_q", "k_rms_norm": "to_k"}
 
 
 @dataclass(frozen=True)
@@ -279,10 +280,14 @@ def read_mlps(model: torch.nn.Module, roles: Roles) -> None:
 
 
 def _hidden_norm(module: torch.nn.Module, linears) -> str | None:
-    """A norm over the MLP's hidden width (between its Linears) needs the whole hidden: the pattern is refused."""
+    """A norm over the MLP's hidden width (between its Linears), or any other module holding a parameter as wide as
+    it (a ConvNeXt GRN's gamma, a layer scale), needs the whole hidden: the pattern is refused."""
     hidden = {m.in_features for _, m in linears[-1:]}
     for name, child in module.named_modules():
-        if not isinstance(child, torch.nn.Linear) and _norm_width(child) in hidden and list(child.parameters()):
+        if isinstance(child, torch.nn.Linear):
+            continue
+        if (_norm_width(child) in hidden and list(child.parameters())) \
+                or any(p.numel() in hidden for p in child.parameters(recurse=False)):
             return name
     return None
 

@@ -33,19 +33,33 @@ _WIDTH = re.compile(r"(dim|dims|size|channels|features|width)$")
 _KEEP = re.compile(r"sample_size|patch_size|max_|pos_embed|freq|num_positions|seq_len|vocab|rope_theta|_len$")
 #: Config keys that hold the text states' width, most specific first.
 TEXT_KEYS = ("joint_attention_dim", "text_embed_dim", "text_dim", "caption_channels", "cross_attention_dim",
-             "context_in_dim", "text_hidden_dim", "encoder_hidden_dim", "text_states_dim")
+             "context_in_dim", "text_hidden_dim", "encoder_hidden_dim", "text_states_dim", "cap_feat_dim",
+             "cond_token_dim", "dit_text_dim")
 #: Full-size config values some classes' defaults leave unset (None: diffusers expects a checkpoint's config), taken
 #: from their public checkpoints: data, applied before the drafter reads the class and before shrinking.
 DEFAULT_CONFIG_GAPS: dict[str, dict] = {
-    "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2},
-    "LatteTransformer3DModel": {"in_channels": 4, "out_channels": 8, "patch_size": 2, "cross_attention_dim": 1152,
+    "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2, "hidden_size": 1408},  # 16 heads x 88
+    "LatteTransformer3DModel": {"attention_head_dim": 72, "in_channels": 4, "out_channels": 8, "patch_size": 2,
+                                "cross_attention_dim": 1152,
                                 "caption_channels": 4096, "num_embeds_ada_norm": 1000},
     "LuminaNextDiT2DModel": {"num_kv_heads": 8},
     "Transformer2DModel": {"in_channels": 320, "cross_attention_dim": 768},  # a Stable Diffusion UNet stage
+    "DreamLiteTransformer2DModel": {"in_channels": 320, "cross_attention_dim": 768},  # a UNet stage, as above
+    "TransformerTemporalModel": {"in_channels": 320},  # a video UNet's temporal stage
+    "EasyAnimateTransformer3DModel": {"in_channels": 16, "out_channels": 16, "patch_size": 2},
+    # Phi-3's rotary scaling: one factor per rotary frequency (head size 96 / 2)
+    "OmniGenTransformer2DModel": {"rope_scaling": {"short_factor": [1.0] * 48, "long_factor": [1.0] * 48}},
+    # T5 and Llama-3 text widths; which Llama layer feeds each of the 16 + 32 blocks changes no module
+    "HiDreamImageTransformer2DModel": {"patch_size": 2, "in_channels": 16, "out_channels": 16,
+                                       "caption_channels": [4096, 4096], "llama_layers": list(range(48)),
+                                       "axes_dims_rope": (64, 32, 32)},
 }
 #: Per-class config values the rule cannot derive (data, not code): class -> {key: value}.
 CONFIG_EXCEPTIONS: dict[str, dict] = {
     "HunyuanVideoTransformer3DModel": {"rope_axes_dim": (4, 6, 6)},
+    # FramePack's image projection and clean-latent embedder (what its checkpoint turns on)
+    "HunyuanVideoFramepackTransformer3DModel": {"has_image_proj": True, "has_clean_x_embedder": True},
+    "LatteTransformer3DModel": {"video_length": 2},  # its temporal positions are sized for the sample's frames
     # Learned/sincos positions sized for the sample: a sample as small as the tiny latents (2 latent frames).
     "CogVideoXTransformer3DModel": {"sample_width": 8, "sample_height": 8, "sample_frames": 5,
                                     "max_text_seq_length": TEXT_LEN},
@@ -55,8 +69,21 @@ CONFIG_EXCEPTIONS: dict[str, dict] = {
     "WanVACETransformer3DModel": {"vace_layers": [0]},  # must name blocks the tiny model has
     "PixArtTransformer2DModel": {"attention_head_dim": 24},  # its size conditioning splits the width in 3 parts
     "Transformer2DModel": {"in_channels": 32},  # its GroupNorm has 32 groups
+    "DreamLiteTransformer2DModel": {"in_channels": 32},
+    "TransformerTemporalModel": {"in_channels": 32},
+    "OmniGenTransformer2DModel": {"rope_scaling": {"short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
+    # two Llama layers, each feeding one joint and one single block; T5 and Llama widths kept small
+    "HiDreamImageTransformer2DModel": {"llama_layers": (0, 1, 0, 1), "caption_channels": (48, 48),
+                                       "axes_dims_rope": (8, 4, 4)},
     "AceStepTransformer1DModel": {"in_channels": 192},  # acoustic (64) + context (128) latents, not a width
-    "Ideogram4Transformer2DModel": {"mrope_section": (4, 2, 2)},  # rotary sections summing to half the tiny head
+    # rotary sections summing to half the tiny head; a modulation width unlike the latent channels (48), or the final
+    # layer's two Linears (64 -> 48, 48 -> 64) read as an MLP pair (they are not one at full size)
+    "Ideogram4Transformer2DModel": {"mrope_section": (4, 2, 2), "adaln_dim": 32},
+    # 8 latent channels: with 16, the final layer's 2 x 2 patch output (64) equals the tiny width, and its two
+    # Linears read as an MLP pair (they are not one at full size)
+    "ZImageTransformer2DModel": {"in_channels": 8},
+    "HunyuanDiT2DModel": {"text_len": 8, "text_len_t5": 8, "cross_attention_dim_t5": 48},  # its learned text padding
+    "Lumina2Transformer2DModel": {"in_channels": 8},  # as Z-Image: its output norm's two Linears, else a false pair
 }
 #: Per-class forward inputs the rule cannot derive: class -> {parameter: value, or a function of the generator}.
 INPUT_EXCEPTIONS: dict[str, dict] = {
@@ -65,7 +92,7 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
                                                                  "aspect_ratio": torch.ones(BATCH, 1)}},
     "WanVACETransformer3DModel": {"control_hidden_states": lambda g: torch.randn(BATCH, 96, 2, 8, 8, generator=g)},
     # lists of per-sample tensors: latents [C, F, H, W] and caption features [L, cap_feat_dim]
-    "ZImageTransformer2DModel": {"x": lambda g: [torch.randn(16, 1, 8, 8, generator=g) for _ in range(BATCH)],
+    "ZImageTransformer2DModel": {"x": lambda g: [torch.randn(8, 1, 8, 8, generator=g) for _ in range(BATCH)],
                                  "t": lambda g: torch.tensor([0.5, 0.25]),
                                  "cap_feats": lambda g: [torch.randn(TEXT_LEN, 48, generator=g) for _ in range(BATCH)]},
     "NucleusMoEImageTransformer2DModel": {"img_shapes": [[(1, 4, 4)]] * BATCH},  # 16 packed tokens, 4 x 4
@@ -87,6 +114,60 @@ INPUT_EXCEPTIONS: dict[str, dict] = {
     # 16 prior (VQ) tokens, one per 2 x 2 patch of the 8 x 8 latents, none dropped
     "GlmImageTransformer2DModel": {"prior_token_id": lambda g: torch.randint(0, 432, (BATCH, 16), generator=g),
                                    "prior_token_drop": torch.zeros(BATCH, dtype=torch.bool)},
+    "HunyuanVideo15Transformer3DModel": {"timestep_r": None,  # no mean-flow timestep without use_meanflow
+                                         "image_embeds": lambda g: torch.randn(BATCH, 4, 48, generator=g),  # i2v
+                                         "encoder_hidden_states_2": lambda g: torch.randn(BATCH, 4, 48, generator=g),
+                                         "encoder_attention_mask_2": torch.ones(BATCH, 4)},
+    "StableAudio3DiTModel": {"global_hidden_states": lambda g: torch.randn(BATCH, 48, generator=g)},  # [B, width]
+    # text states of every text-encoder layer [B, T, layers, width]
+    "Krea2Transformer2DModel": {"encoder_hidden_states": lambda g: torch.randn(BATCH, TEXT_LEN, 2, 48, generator=g)},
+    # one text-encoder layer's states per block (2 joint + 2 single)
+    "BriaFiboTransformer2DModel": {"text_encoder_layers": lambda g: [torch.randn(BATCH, TEXT_LEN, 48, generator=g)
+                                                                     for _ in range(4)], "guidance": None},
+    # per-frame timesteps [B, frames] (the flow map's start time too), frames-first latents of 2 frames
+    "AnyFlowTransformer3DModel": {"timestep": torch.full((BATCH, 2), 500.0),
+                                  "r_timestep": torch.full((BATCH, 2), 250.0)},
+    "AnyFlowFARTransformer3DModel": {"timestep": torch.full((BATCH, 2), 500.0),
+                                     "r_timestep": torch.full((BATCH, 2), 250.0), "chunk_partition": [1, 1]},
+    # packed patches [B, patches, C, pt, ph, pw] and each sample's patch grids
+    "JoyImageEditPlusTransformer3DModel": {"hidden_states": lambda g: torch.randn(BATCH, 2, 16, 1, 2, 2, generator=g),
+                                           "shape_list": [[(1, 1, 1), (1, 1, 1)]] * BATCH},
+    # image-encoder states [B, L, image_proj_dim] and the latent frames' indices (2 frames)
+    "HunyuanVideoFramepackTransformer3DModel": {"image_embeds": lambda g: torch.randn(BATCH, TEXT_LEN, 48, generator=g),
+                                                "indices_latents": torch.ones(2),
+                                                # the clean and history latents it conditions on (1, 1, 4 frames)
+                                                "latents_clean": lambda g: torch.randn(BATCH, 16, 1, 8, 8, generator=g),
+                                                "indices_latents_clean": torch.ones(1),
+                                                "latents_history_2x": lambda g: torch.randn(BATCH, 16, 1, 8, 8,
+                                                                                            generator=g),
+                                                "indices_latents_history_2x": torch.ones(1),
+                                                "latents_history_4x": lambda g: torch.randn(BATCH, 16, 4, 8, 8,
+                                                                                            generator=g),
+                                                "indices_latents_history_4x": torch.ones(4)},
+    # its masks reshape per head (not a [B, T] padding mask); temporal attention on
+    "LatteTransformer3DModel": {"attention_mask": None, "encoder_attention_mask": None,
+                                "enable_temporal_attentions": True},
+    # 24 prompt tokens, one input image of 16 patches, a joint mask and positions over 24 + 1 + 16 positions
+    "OmniGenTransformer2DModel": {"input_ids": lambda g: torch.randint(0, 10, (BATCH, 24), generator=g),
+                                  "input_img_latents": lambda g: [torch.randn(1, 4, 8, 8, generator=g)],
+                                  "input_image_sizes": {0: [[0, 16]]}, "attention_mask": torch.ones(BATCH, 41, 41),
+                                  "position_ids": torch.arange(41).expand(BATCH, 41),
+                                  "timestep": torch.tensor([0.5, 0.25])},
+    "HiDreamImageTransformer2DModel": {
+        "encoder_hidden_states_t5": lambda g: torch.randn(BATCH, 8, 48, generator=g),
+        "encoder_hidden_states_llama3": lambda g: torch.randn(2, BATCH, 8, 48, generator=g),
+        "pooled_embeds": lambda g: torch.randn(BATCH, 96, generator=g), "timesteps": torch.tensor([500.0, 250.0])},
+    # CLIP and T5 states (8 tokens each) with masks, size/crop conditioning, style, rotary (cos, sin) per patch
+    "HunyuanDiT2DModel": {"encoder_hidden_states": lambda g: torch.randn(BATCH, 8, 48, generator=g),
+                          "text_embedding_mask": torch.ones(BATCH, 8),
+                          "encoder_hidden_states_t5": lambda g: torch.randn(BATCH, 8, 48, generator=g),
+                          "text_embedding_mask_t5": torch.ones(BATCH, 8),
+                          "image_meta_size": torch.tensor([[1024.0, 1024, 16, 16, 0, 0]] * BATCH),
+                          "style": torch.zeros(BATCH, dtype=torch.long),
+                          "image_rotary_emb": lambda g: (torch.randn(16, 16, generator=g),
+                                                         torch.randn(16, 16, generator=g))},
+    "EasyAnimateTransformer3DModel": {"timestep_cond": None},  # no timestep-condition projection by default
+    "TransformerTemporalModel": {"encoder_hidden_states": None},  # temporal self-attention only (no text width)
     # acoustic latents [B, L, 64] and the context latents concatenated to them (192 input channels in all)
     "AceStepTransformer1DModel": {"hidden_states": lambda g: torch.randn(BATCH, 16, 64, generator=g),
                                   "context_latents": lambda g: torch.randn(BATCH, 16, 128, generator=g),
@@ -177,7 +258,8 @@ def _patch(config) -> tuple[int, int]:
 
 
 def _latents(layout: str, config, generator) -> torch.Tensor:
-    channels = _config_int(config, "in_channels", "in_dim", "input_dim", "latent_channels", default=16)
+    channels = _config_int(config, "in_channels", "in_dim", "input_dim", "latent_channels", "io_channels", "latent_dim",
+                           default=16)
     patch, temporal = _patch(config)
     side = 4 * patch
     shapes = {"image": (BATCH, channels, side, side), "video": (BATCH, channels, 2 * temporal, side, side),

@@ -1,4 +1,5 @@
-"""The family of a stock pipeline no family runs: its transformer's plan drafted from the module tree (meta device).
+"""The family of a stock pipeline no family runs: its transformer's plan verified by `plan draft --all` (shipped in
+the package, `drafting/shipped.py`) where the checkpoint's module tree drafts to it, else drafted at load (meta device).
 
 `checkpoint` cannot import the drafter (the plan tools it uses read checkpoints themselves), so the runner hands
 `drafted_family` to it at import (`checkpoint.set_drafter`), as `families` hands block metadata to the step cache.
@@ -15,18 +16,14 @@ from .generic import DraftedFamily
 def drafted_family(pipeline_class: type, transformer_folder) -> DraftedFamily:
     """The drafted family of `pipeline_class` on the transformer saved in `transformer_folder` (its config only,
     on the meta device); a `ValueError` says why a class cannot run on a drafted plan."""
-    from ..drafting import draft_plan  # the drafter pulls in the plan tools: imported when a folder needs it
-    from ..tools.plan.meta import meta_transformer
+    from ..tools.plan.meta import meta_transformer  # the plan tools: imported when a folder needs them
 
     name = pipeline_class.__name__
     if "callback_on_step_end" not in inspect.signature(pipeline_class.__call__).parameters:
         raise ValueError(f"{name} takes no `callback_on_step_end`, which the check that every rank holds the same "
                          "latents runs in: it cannot run on several ranks here.")
     meta = meta_transformer(str(transformer_folder)).module
-    # Q/K norms over all heads left whole: splitting them (`ShardedRMSNorm`) is exact only where the processor does
-    # not also read the whole width (rotary embeddings over all heads: LTX-Video), which only a TP=2 run tells
-    # (`plan draft --all` runs it); at load no run is made, so the draft takes the variant that holds for every class.
-    draft = draft_plan(meta, shard_norms=False)
+    draft, verified = _draft(meta)
     if not draft.plan or draft.check_errors:
         why = draft.check_errors[:2] or [f"{n.module}: {n.reason}" for n in draft.undecided[:2]] or [
             "no Linear has a role the drafter knows"]
@@ -35,4 +32,22 @@ def drafted_family(pipeline_class: type, transformer_folder) -> DraftedFamily:
             f"{'; '.join(why)}. Write one by hand (docs/authoring.md) and register a family, or run it in one "
             "process with stock diffusers.")
     return DraftedFamily("generic", f"{name} (drafted plan)", "GenericAdapter", pipelines=(PipelineClass(name),),
-                         transformer=type(meta).__name__, drafted=draft.plan, degrees=tuple(draft.degrees))
+                         transformer=type(meta).__name__, drafted=draft.plan, degrees=tuple(draft.degrees),
+                         verified=verified)
+
+
+def _draft(meta):
+    """(the plan, whether it is the one verified at TP=2): the shipped verified plan where this checkpoint's module
+    tree drafts to exactly it (same rules, same Q/K norm choice), else a fresh draft with Q/K norms over all heads
+    left whole: splitting them (`ShardedRMSNorm`) is exact only where the processor does not also read the whole
+    width (rotary embeddings over all heads: LTX-Video), which only a TP=2 run tells (`plan draft --all` runs it)."""
+    from ..drafting import draft_plan
+    from ..drafting.shipped import plan_text, verified_plan
+
+    shipped = verified_plan(type(meta).__name__)
+    if shipped is not None:
+        plan, shard_norms = shipped
+        draft = draft_plan(meta, shard_norms=shard_norms)
+        if not draft.check_errors and plan_text(draft.plan) == plan_text(plan):
+            return draft, True
+    return draft_plan(meta, shard_norms=False), False

@@ -50,6 +50,8 @@ class DraftedFamily(Family):
     transformer: str = ""
     drafted: dict = field(default_factory=dict, hash=False, compare=False)
     degrees: tuple[int, ...] = ()
+    #: The plan is the one `plan draft --all` verified at TP=2 (shipped in the package), not a fresh draft.
+    verified: bool = False
 
     @property
     def plan_module(self):

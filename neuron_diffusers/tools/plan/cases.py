@@ -76,11 +76,14 @@ TRANSFORMER_CASES = {
 
 
 def predictions(output) -> tuple[torch.Tensor, ...]:
-    """Every tensor the transformer predicts (H3: video and audio), whatever container holds them."""
+    """Every tensor the transformer predicts (H3: video and audio; Z-Image: a list, one tensor per sample), whatever
+    container holds them."""
     items = output.to_tuple() if hasattr(output, "to_tuple") else output
     if isinstance(items, torch.Tensor):
         return (items,)
-    return tuple(item for item in items if isinstance(item, torch.Tensor))
+    if not isinstance(items, (tuple, list)):
+        return ()
+    return tuple(tensor for item in items for tensor in predictions(item))
 
 
 def _pipeline_families() -> dict[str, str]:
