@@ -513,8 +513,7 @@ def load_pipeline(
     (and each encode of an input image) over the group, with the stock result within float32 rounding
     (`parallel/vae.py`); `False` decodes and encodes on the leader alone; `None` (default) loads it on every rank
     where the VAE class can be split and splits the calls where that pays (`parallel.vae.DEFAULT_MIN_PIXELS`:
-    MiniMax-H3 always, the others from 1024 x 1024). `True` with a VAE it cannot split is refused before any weight
-    is read.
+    MiniMax-H3 always, the others from 1024 x 1024). `True` with a VAE it cannot split is refused before loading.
 
     `transformer`: a prebuilt unsharded instance of the folder's class instead of its weights (`bench device`), for
     a one-rank image group only. `batch_sizes` (e.g. `(1, 2, 4)`): the only batch shapes `generate` runs, a short
