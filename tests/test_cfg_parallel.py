@@ -223,7 +223,8 @@ def test_ip_adapter_is_refused(pair):
     for message in case(pair, "ip_adapter"):
         assert "QwenImagePipeline takes no 'ip_adapter_image'" in message, message
     with pytest.raises(ValueError, match="CFG parallelism does not run FLUX's IP-Adapter"):
-        _check_cfg_parallel_kwargs(resolve("flux").adapter, {"ip_adapter_image": object()})  # FLUX.1's, true CFG
+        _check_cfg_parallel_kwargs(resolve("flux").adapter, "blurry", {"ip_adapter_image": object(),
+                                                                        "true_cfg_scale": 4.0})  # FLUX.1's, true CFG
 
 
 def test_proxy_is_exact_with_unequal_branches_and_a_truncated_step(pair):

@@ -110,8 +110,10 @@ def test_bad_image_kwargs_are_refused_before_anything_runs():
 
 def test_cfg_parallelism_refuses_classes_that_do_not_name_their_branches():
     with pytest.raises(ValueError, match="calls its transformer outside `cache_context"):
-        _check_cfg_parallel_kwargs(resolve("flux", "FluxKontextPipeline").adapter, {})
-    _check_cfg_parallel_kwargs(resolve("qwenimage_edit").adapter, {})
+        _check_cfg_parallel_kwargs(resolve("flux", "FluxKontextPipeline").adapter, "blurry", {"true_cfg_scale": 4.0})
+    edit = resolve("qwenimage_edit").adapter
+    assert _check_cfg_parallel_kwargs(edit, "blurry", {}), "Qwen-Image-Edit-Plus runs true CFG by default (4.0)"
+    assert not _check_cfg_parallel_kwargs(edit, None, {}), "without a negative prompt there is no true CFG"
 
 
 def _plan(tmp_path, *argv, world_size=1):
