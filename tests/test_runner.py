@@ -90,14 +90,22 @@ def runner_reports(tiny_checkpoint, rank_pool):
     return get
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, ("qwenimage21", "lean")])
-def test_tp2_generate_matches_stock_single_process(tiny_checkpoint, rank_pool, runner_reports, family):
+#: A plan file as `plan draft --out` writes one (run as a module of `tp_plans`), holding Qwen-Image-2.1's lean plan.
+LEAN_PLAN_FILE = 'from .qwenimage21 import LEAN_PLAN as PLAN\n\nMODEL_CLASS = "QwenImage21Transformer2DModel"\n'
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, ("qwenimage21", "lean"), ("qwenimage21", "lean.py")], ids=str)
+def test_tp2_generate_matches_stock_single_process(tiny_checkpoint, rank_pool, runner_reports, family, tmp_path):
     name = family if isinstance(family, str) else family[0]
     reference = stock_output(tiny_checkpoint(name), name)
     control = stock_output(tiny_checkpoint(name), name, prompt=OTHER_PROMPT)
-    if family == ("qwenimage21", "lean"):  # load_pipeline(plan="lean"): the modulation is sharded as well
+    if not isinstance(family, str):  # plan="lean" or a plan file holding it: the modulation is sharded as well
+        plan = family[1]
+        if plan.endswith(".py"):
+            (tmp_path / plan).write_text(LEAN_PLAN_FILE)
+            plan = str(tmp_path / plan)
         leader, other = rank_pool.run(runner_jobs.runner_lean_check, 2, tiny_checkpoint(name),
-                                      tiny.smallest_call(name), timeout_s=600)
+                                      tiny.smallest_call(name), plan, timeout_s=600)
         assert leader["modulation_sharded"] and other["modulation_sharded"]
         output, other_output = leader["output"], other["output"]
     else:
