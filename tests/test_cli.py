@@ -249,7 +249,7 @@ def _unsplittable_vae(tmp_path, tiny_checkpoint):
     copy = tmp_path / "other-vae-checkpoint"
     shutil.copytree(tiny_checkpoint("flux"), copy)
     index = json.loads((copy / "model_index.json").read_text())
-    index["vae"] = ["diffusers", "AutoencoderKLWan"]
+    index["vae"] = ["diffusers", "AutoencoderKLCogVideoX"]
     (copy / "model_index.json").write_text(json.dumps(index))
     return str(copy)
 
@@ -289,7 +289,7 @@ BAD_INPUT = {
         t, "typo.py", 'PLAN = {"transformer_blocks.*.attn.to_qq": "colwise"}\n')], "does not fit"),
     "parallel VAE it cannot split": (lambda t, c: ["--prompt", "a fox", "--model", _unsplittable_vae(t, c),
                                                    "--parallel-vae"],
-                                     "parallel_vae does not support AutoencoderKLWan"),
+                                     "parallel_vae does not support AutoencoderKLCogVideoX"),
 }
 
 

@@ -123,11 +123,11 @@ def test_only_the_leader_loads_the_text_encoder(runner_reports, family):
     assert leader_holds and not other_holds
     leader, other = case(reports, "models_in_memory")
     assert any("Autoencoder" not in name for name in leader)
-    # Parallel VAE is on by default at TP > 1 (tests/test_parallel_vae.py): every rank holds the image (video) VAE,
+    # Parallel VAE is on by default at TP > 1 (tests/test_parallel_vae.py): every rank holds the image (video) VAE
+    # (Wan's causal 3-D VAE too, split by rows),
     # and only the leader the small audio VAE of MiniMax-H3.
     vaes = [name for name in leader if "Autoencoder" in name and "Audio" not in name]
-    # Wan's AutoencoderKLWan is not one parallel VAE splits: the leader alone holds it.
-    assert vaes and other == ([] if family == "wan" else vaes)
+    assert vaes and other == vaes
 
 
 @pytest.mark.parametrize("family", FAMILIES)
