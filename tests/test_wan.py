@@ -57,20 +57,28 @@ def _check(results: list, references: list, leaders: list[int]) -> None:
             assert diff < TOL, f"rank {rank}, prompt {index}: max abs diff {diff} to stock (control {control})"
 
 
-@pytest.mark.parametrize("layout, leaders", [("tp2", [0, 2]), ("tp2u2", [0])])
+@pytest.mark.parametrize("layout, leaders", [("tp2", [0, 2]), ("tp2u2", [0]), ("tp2cfg2", [0])])
 @pytest.mark.parametrize("what", ["latents", "negative"])
 def test_generate_equals_stock_single_process(reports, references, layout, leaders, what):
     _check([r[what] for r in case(reports, layout)], references[what], leaders)
 
 
+def test_cfg_parallel_halves_each_ranks_forwards(reports):
+    """Wan guides at every step (cond, then uncond under its `cache_context`s): a CFG pair computes one branch each,
+    so each rank runs one forward per step where a TP group alone runs two (2 prompts x 2 steps)."""
+    assert [r["forwards"] for r in case(reports, "tp2")] == [8] * 4
+    assert [r["forwards"] for r in case(reports, "tp2cfg2")] == [4] * 4
+
+
 def test_attention_is_head_sharded_with_its_norms(reports):
-    for layout in ("tp2", "tp2u2"):
+    for layout in ("tp2", "tp2u2", "tp2cfg2"):
         for result in case(reports, layout):
             assert result["norm_width"] == (24,)  # 4 heads of 12 -> 2 heads per TP rank
             assert result["local_heads"] == 2
             assert result["cp"] == (layout == "tp2u2")
     assert [r["encoder"] for r in case(reports, "tp2")] == [True, False, True, False]  # leader-only text encoding
     assert [r["encoder"] for r in case(reports, "tp2u2")] == [True, False, False, False]
+    assert [r["encoder"] for r in case(reports, "tp2cfg2")] == [True, False, True, False]  # each group's leader
 
 
 def test_job_writes_a_playable_mp4(tmp_path):

@@ -19,12 +19,19 @@ def _latents(pipe, **kwargs) -> list | None:
     return None if outputs[0] is None else [output[0].clone() for output in outputs]
 
 
+def _forwards(pipe) -> int:
+    return pipe.times.calls.get("transformer forward", 0)
+
+
 def _run(checkpoint, mesh) -> dict:
     pipe = nd.load_pipeline(checkpoint, mesh)
     transformer = pipe.adapter.transformer_of(pipe.pipe)
     norm = transformer.blocks[0].attn1.norm_q
+    before = _forwards(pipe)
+    latents = _latents(pipe)
     return {
-        "latents": _latents(pipe),
+        "latents": latents,
+        "forwards": _forwards(pipe) - before,
         "negative": _latents(pipe, negative_prompt=NEGATIVE, guidance_scale=3.0),
         "norm_width": tuple(norm.weight.to_local().shape),
         "local_heads": transformer.blocks[0].attn1.heads,
@@ -34,9 +41,11 @@ def _run(checkpoint, mesh) -> dict:
 
 
 def wan_job(checkpoint) -> dict:
-    """On 4 ranks: tp=2 (two replicas), then tp=2 x ulysses=2 (one image group of 4)."""
+    """On 4 ranks: tp=2 (two replicas), tp=2 x ulysses=2 (one image group of 4), then a CFG pair of TP=2 groups
+    (each computes one branch of every guided step)."""
     report = {}
     with one_thread():
         record(report, "tp2", _run, checkpoint, nd.init_distributed(tp=2))
         record(report, "tp2u2", _run, checkpoint, nd.init_distributed(tp=2, ulysses=2))
+        record(report, "tp2cfg2", _run, checkpoint, nd.init_distributed(tp=2, cfg=2))
     return report
