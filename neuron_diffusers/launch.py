@@ -253,6 +253,20 @@ def checked_plan(checkpoint: Checkpoint, plan: str, tp: int) -> dict:
     return tp_plan
 
 
+def check_experts(checkpoint: Checkpoint, *, cache=None, loras=(), compile: str | None = None) -> None:
+    """A checkpoint with a second expert (Wan 2.2 A14B's `transformer_2`) is sharded, quantized and run under CFG and
+    context parallelism like its transformer; what is written for one transformer alone is refused, before any
+    weight is read."""
+    if not checkpoint.experts:
+        return
+    wanted = [name for name, given in (("a step cache (--cache)", cache), ("LoRAs (--lora)", loras),
+                                       ("--compile", compile)) if given]
+    if wanted:
+        raise ValueError(f"{checkpoint.path} has a second expert ({', '.join(checkpoint.experts)}), and "
+                         f"{' and '.join(wanted)} would apply to its first transformer only (not supported yet): "
+                         "run it without them.")
+
+
 def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = None,
                 loras: list[LoraSpec] = ()) -> LaunchSpec:
     """Check every shared option once, reading no weight and starting no process group: a frozen `LaunchSpec`.
@@ -267,6 +281,7 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
     cache = parse_cache_spec(args.cache, steps=steps) if args.cache else None
     tp, pairs = mesh_degrees(args, world_size)
     checkpoint = resolve(args.model, args.pipeline)
+    check_experts(checkpoint, cache=cache, loras=loras, compile=args.compile)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
     tp_plan = checked_plan(checkpoint, args.plan, tp)
@@ -291,6 +306,7 @@ def spec_for(model, *, torch_dtype=None, pipeline_class=None, buckets=None, lora
     """`load_pipeline`'s keyword arguments as a checked spec (the mesh's degrees are filled in at load; the
     quantization's blocks are checked against them there)."""
     checkpoint = resolve(model, pipeline_class)
+    check_experts(checkpoint, cache=cache, loras=loras)
     tp_plan = checked_plan(checkpoint, plan, 1)
     quantize = check_launch_quantize(checkpoint, tp_plan, 1, quantize, loras)
     if cache is not None:
