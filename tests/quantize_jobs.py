@@ -12,6 +12,9 @@ from neuron_diffusers.parallel.quantize import quantize_model
 from neuron_diffusers.tools.plan.cases import predictions
 
 KINDS = ("fp8", "int8")
+#: Families whose stock call has an odd joint sequence (MiniMax-H3: 457 rope positions): run under Ulysses with
+#: diffusers' `ulysses_anything` (load_pipeline: `cp_any_length=True`) rather than padded.
+ANY_LENGTH = ("h3",)
 #: The block width per family: 16 divides every tiny family's row shards at TP=2 and 4; Wan 2.1's attention output
 #: (48 wide, 24 per rank at TP=2) takes 8.
 BLOCKS = {"wan": 8}
@@ -85,14 +88,15 @@ def tp_job(calls: dict, wide=None) -> dict:
     return report
 
 
-def _through_load_pipeline(mesh, checkpoint, args, kwargs, quantize=None) -> tuple[torch.Tensor, ...]:
+def _through_load_pipeline(mesh, checkpoint, args, kwargs, quantize=None, **options) -> tuple[torch.Tensor, ...]:
     """`load_pipeline(..., quantize=...)` (its recipe's step; default FLUX.1's fp8 scheme), its transformer called
     once."""
     from neuron_diffusers import load_pipeline
 
-    pipe = load_pipeline(checkpoint, mesh=mesh, quantize=quantize or scheme("flux", "fp8"))
+    pipe = load_pipeline(checkpoint, mesh=mesh, quantize=quantize or scheme("flux", "fp8"), **options)
     with torch.no_grad():
-        return tuple(output.clone() for output in predictions(pipe.pipe.transformer(*args, **kwargs)))
+        transformer = pipe.adapter.transformer_of(pipe.pipe)
+        return tuple(output.clone() for output in predictions(transformer(*args, **kwargs)))
 
 
 def layouts_job(calls: dict, tp4_families=()) -> dict:
@@ -106,13 +110,15 @@ def layouts_job(calls: dict, tp4_families=()) -> dict:
     with one_thread():
         tp4 = TensorParallelConfig(mesh=init_distributed(tp=4)["tp"])
         mesh = init_distributed(tp=2, ulysses=2)
-        cp = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=2, mesh=mesh),
-                            tensor_parallel_config=TensorParallelConfig(mesh=mesh["tp"]))
         for family, (checkpoint, args, kwargs) in calls.items():
+            anything = family in ANY_LENGTH  # the stock call's sequence, unpadded, through diffusers' *_anything
+            cp = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=2, mesh=mesh,
+                                                                              ulysses_anything=anything),
+                                tensor_parallel_config=TensorParallelConfig(mesh=mesh["tp"]))
             record(report, (family, "tp2xulysses2"), api_predictions, checkpoint, scheme(family, "fp8"), args, kwargs,
                    cp)
             record(report, (family, "load_pipeline"), _through_load_pipeline, mesh, checkpoint, args, kwargs,
-                   scheme(family, "fp8"))
+                   scheme(family, "fp8"), cp_any_length=anything)
             if family in tp4_families:
                 record(report, (family, "tp4"), api_predictions, checkpoint, scheme(family, "fp8"), args, kwargs, tp4)
     return report

@@ -141,6 +141,13 @@ def four_ranks(rank_pool, four_rank_calls):
     return rank_pool.run(quantize_jobs.layouts_job, 4, four_rank_calls, TP4_FAMILIES, timeout_s=JOB_TIMEOUT_S)
 
 
+#: Where 1e-5 does not hold, and why: fp8 rounding is discontinuous (3 mantissa bits), so the float32 rounding
+#: differences every layout has upstream (here Ulysses' attention and TP's partial sums) move a few activations
+#: across an fp8 rounding step. FLUX.2 at tp=2 x ulysses=2 differs by 3.1e-4 from one process (both entry points, every
+#: rank); fp8 against unquantized differs by 3.9e-3 there, so 1e-3 still separates them (docs/quantization.md).
+FLIP_TOLERANCE = {("flux2", "tp2xulysses2"): 1e-3, ("flux2", "load_pipeline"): 1e-3}
+
+
 def _four_rank_cases():
     return [(f, layout) for f in FOUR_RANK_FAMILIES for layout in ("tp2xulysses2", "load_pipeline")] + [
         (f, "tp4") for f in TP4_FAMILIES]
@@ -153,9 +160,10 @@ def test_fp8_on_four_ranks_equals_one_process(four_rank_calls, four_ranks, famil
     checkpoint, args, kwargs = four_rank_calls[family]
     one_process = quantize_jobs.quantized_predictions(checkpoint, quantize_jobs.scheme(family, "fp8"), args, kwargs)
     unquantized = quantize_jobs.quantized_predictions(checkpoint, None, args, kwargs)
+    tolerance = FLIP_TOLERANCE.get((family, layout), TOLERANCE)
     diffs = [_max_diff(outputs, one_process) for outputs in case(four_ranks, (family, layout))]
-    assert max(diffs) < TOLERANCE
-    assert _max_diff(one_process, unquantized) > TOLERANCE
+    assert max(diffs) < tolerance
+    assert _max_diff(one_process, unquantized) > tolerance
 
 
 #: The five families of issue 30 at full size (meta device): fp8 per rank at TP=8 at most this share of bf16.
@@ -190,8 +198,8 @@ def test_plan_report_counts_every_parameter_and_the_scales(capsys):
 
 
 def test_plan_report_refuses_a_block_that_straddles_a_shard(capsys):
-    assert main(["plan", "report", "--model", "flux", "--tp", "8", "--quantize", "fp8:96"]) == 2
-    assert "not multiples of the block (96)" in capsys.readouterr().err
+    assert main(["plan", "report", "--model", "flux", "--tp", "8", "--quantize", "fp8:256"]) == 2  # 384 per rank
+    assert "not multiples of the block (256)" in capsys.readouterr().err
 
 
 def test_bench_memory_writes_the_quantized_rows(tmp_path, capsys):
@@ -200,3 +208,40 @@ def test_bench_memory_writes_the_quantized_rows(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory_fp8.json", "memory_fp8.md"]
     assert [row["tp"] for row in rows] == [1, 2] and all(row["quantize"] == "fp8" for row in rows)
     assert all(row["ours_quantized_gib"] < row["ours_gib"] for row in rows)
+
+
+def _torchao(kind: str):
+    from diffusers import TorchAoConfig
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Float8WeightOnlyConfig,
+        Int8WeightOnlyConfig,
+        PerRow,
+    )
+
+    configs = {"fp8_per_tensor": Float8DynamicActivationFloat8WeightConfig, "int8_per_row": Int8WeightOnlyConfig,
+               "fp8_weight_only": Float8WeightOnlyConfig,
+               "fp8_per_row": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())}
+    return TorchAoConfig(configs[kind]())
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("fp8_per_tensor", "Pass TorchAoConfig(Float8DynamicActivationFloat8WeightConfig(granularity=[PerBlock([1, 128])"),
+    ("fp8_per_row", "one all-reduce MAX per such Linear per forward"),
+    ("int8_per_row", "Pass Int8WeightOnlyConfig(granularity=PerGroup(128))"),
+    ("fp8_weight_only", "TorchAoConfig(Float8WeightOnlyConfig) cannot be combined with a `parallel_config`"),
+])
+def test_from_pretrained_refuses_a_torchao_config_the_scheme_cannot_honour(monkeypatch, kind, message):
+    from diffusers import ModelMixin, TensorParallelConfig
+
+    from neuron_diffusers.compat import privates
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("stock from_pretrained ran: weights would be read")
+
+    monkeypatch.setitem(privates.STOCK, (ModelMixin, "from_pretrained"), no_weights)
+    checkpoint = resolve("flux")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        checkpoint.transformer_class().from_pretrained(checkpoint.path, subfolder="transformer",
+                                                       quantization_config=_torchao(kind),
+                                                       parallel_config=TensorParallelConfig(tp_degree=2))
