@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import diffusers
 
 from .compat import plans as compat_plans
-from .parallel import blocks, coalesce
+from .parallel import blocks, coalesce, quantize, quantize_config
 
 if TYPE_CHECKING:  # annotations only: the record names its adapter by class name, imported on first use
     from .pipelines import PipelineAdapter
@@ -179,15 +179,18 @@ _BY_NAME = {family.name: family for family in FAMILIES}
 def install(family: Family) -> None:
     """Push `family`'s plans into the mechanisms, which name no family: its TP plan as the class default (stock's
     kept for `stock_plan`), its CP plan where diffusers ships none and its CP quirks (`compat.plans`), its coalesced
-    block forwards (`parallel.coalesce`) and its step-cache block metadata (`parallel.blocks`). Everything is read
-    before anything is pushed, so a family whose files do not import leaves the mechanisms as they were. Called for
-    each of ours by `neuron_diffusers/__init__.py`, and by `register` for one from outside."""
+    block forwards (`parallel.coalesce`), its step-cache block metadata (`parallel.blocks`) and its `QUANTIZE` rules
+    (`parallel.quantize_config`). Everything is read before anything is pushed, so a family whose files do not
+    import leaves the mechanisms as they were. Called for each of ours by `neuron_diffusers/__init__.py`, and by
+    `register` for one from outside."""
     model_class, plan, cp_plan, cp_quirks = family.model_class(), family.plan, family.cp_plan, family.cp_quirks
     forwards, metadata = family.coalesced_forwards, family.cache_block_metadata
+    rules = quantize.quantize_rules(family)
     compat_plans.register(model_class, plan, cp_plan=cp_plan, cp_quirks=cp_quirks)
     for block_class, forward in forwards.items():
         coalesce.register_forward(block_class, forward)
     blocks.add_cache_metadata(metadata)
+    quantize_config.register_rules(model_class, rules)  # what from_pretrained(quantization_config=) selects
 
 
 def register(family: Family) -> Family:

@@ -12,24 +12,27 @@ from neuron_diffusers.tools.bench.step import one_process_after
 def test_bench_step_measures_every_variant_beside_one_process(tmp_path, capsys):
     out = tmp_path / "step"
     assert main(["bench", "step", "--family", "qwenimage21", "--width", "tiny", "--tokens", "64", "--text", "16",
-                 "--repeats", "2", "--control", "--json", "--out", str(out)]) == 0
+                 "--repeats", "2", "--control", "--quantize", "fp8:16", "--json", "--out", str(out)]) == 0
     (result,) = json.loads(capsys.readouterr().out)
     assert result["family"] == "qwenimage21" and result["tp"] == 2 and result["blocks"] == {"num_layers": 1}
     assert (result["image_tokens"], result["text_tokens"]) == (64, 16)  # read off the captured call
-    assert set(result["seconds"]) == {"default", "lean", "stock", "stock again", "one process"}  # 2.1: a lean plan
+    assert set(result["seconds"]) == {"default", "lean", "stock", "stock again", "default fp8:16", "one process"}
     for label, samples in result["seconds"].items():
         assert len(samples) == 2 and all(s > 0 for s in samples), label
         assert result["median_s"][label] == statistics.median(samples)
     assert result["ideal_s"] == result["median_s"]["one process"] / 2
     ratios = [lean / stock for lean, stock in zip(result["seconds"]["lean"], result["seconds"]["stock"], strict=True)]
     assert result["vs_stock_rounds"]["lean"] == ratios and result["vs_stock"]["lean"] == statistics.median(ratios)
-    assert all(diff < 1e-5 for diff in result["max_abs_diff"].values()), result["max_abs_diff"]
+    diffs = dict(result["max_abs_diff"])
+    assert diffs.pop("default fp8:16") > 1e-5  # fp8 beside bf16 in one run: the quantization acts
+    assert all(diff < 1e-5 for diff in diffs.values()), diffs
     assert result["max_abs_diff"]["stock again"] == result["max_abs_diff"]["stock"]  # the same plan, the same output
     assert result["one_process_after"] is False  # tiny: everything fits, all five in alternation
     stored = json.loads((out / "step.json").read_text())
     assert stored["results"] == [result] and stored["command"].startswith("neuron-diffusers bench step --family")
     table = (out / "step.md").read_text()
     assert "| Qwen-Image-2.1 | layers=1 |" in table and "(lean)" in table and "(stock again)" in table
+    assert "(default fp8:16)" in table and "on CPU their times say little" in table
     with Image.open(out / "step.png") as image:
         assert image.format == "PNG"
 

@@ -59,6 +59,10 @@ apart; diffusers PR #14725 and JingyaHuang/diffusers#2 (open) close the same gap
     default, like `_tp_plan`, with its block-causal hooks (`pipelines/qwenimage21_context.py`) as the class's
     context-parallel quirks [`plans`].
 
+18. `from_pretrained` refuses a `quantization_config` with a tensor-parallel `parallel_config`. We map a torchao
+    config onto the shard-safe scheme of `parallel/quantize.py` (or refuse it, saying why), check it on the meta-device
+    model, load unquantized shards, and quantize each rank's own [`quantized`].
+
 Qwen-Image-2.1's exact text padding (a feature, not a gap) lives with its user, `pipelines/qwenimage21.py`, and reaches
 the rotary class through `privates.internal`.
 

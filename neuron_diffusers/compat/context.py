@@ -149,7 +149,7 @@ def cp_plan_or_refuse(cls, cp_plan):
     return plan
 
 
-_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+HUB_KWARGS = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
 
 
 def wrap_from_pretrained(stock):
@@ -162,7 +162,7 @@ def wrap_from_pretrained(stock):
             # Stock reads `.tensor_parallel_config` off anything but a `TensorParallelConfig`: wrap a bare CP config.
             kwargs["parallel_config"] = split(kwargs["parallel_config"])[0]
             cp_plan_or_refuse(cls, None)
-            hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+            hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
             model_config = cls.load_config(pretrained_model_name_or_path, **hub)
             _check_context_parallel(cls, model_config.get("num_attention_heads"), cp, tp)
         result = stock(cls, pretrained_model_name_or_path, *args, **kwargs)

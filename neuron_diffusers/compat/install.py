@@ -16,7 +16,7 @@ from diffusers.hooks import context_parallel, tensor_parallel, tensor_parallel_n
 from diffusers.models import _modeling_parallel, attention_dispatch
 from diffusers.models.modeling_utils import ModelMixin
 
-from . import collectives, context, enable, privates, tp_loading
+from . import collectives, context, enable, privates, quantized, tp_loading
 
 #: (owner, name, wrapper factory): each factory takes stock's function and returns ours.
 WRAPPERS = (
@@ -27,7 +27,7 @@ WRAPPERS = (
     (tensor_parallel, "apply_tensor_parallel", tp_loading.wrap_apply_tensor_parallel),
     (ModelMixin, "_resolve_parallel_config", context.wrap_resolve_parallel_config),
     (ModelMixin, "enable_parallelism", enable.wrap_enable_parallelism),
-    (ModelMixin, "from_pretrained", context.wrap_from_pretrained),
+    (ModelMixin, "from_pretrained", quantized.wrap_from_pretrained),  # CP (`context`) and quantization
     (diffusers.ParallelConfig, "__post_init__", context.wrap_post_init),
     (attention_dispatch, "_native_attention_forward_op", collectives.wrap_native_forward_op),
     (_modeling_parallel, "gather_size_by_comm", collectives.wrap_gather_size_by_comm),

@@ -44,6 +44,7 @@ from ...checkpoint import resolve
 from ...cli import positive_int
 from ...compat.plans import stock_plan, using_plan
 from ...distributed import init_distributed
+from ...parallel.quantize import Quantization
 from ..plan.cases import capture_first_call, predictions
 from ..plan.meta import meta_transformer
 from ..spawn import run_on_cpu_ranks
@@ -55,6 +56,10 @@ from .rss import available_bytes
 FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21")
 #: The label of `--control`: stock's plan loaded a second time, an A/A comparison.
 CONTROL = "stock again"
+#: What a quantized row's time means here (printed under the table, stored with it).
+QUANTIZED_NOTE = ("Quantized rows: on CPU their times say little about an accelerator. fp8 runs one `torch._scaled_mm` "
+                  "per block of input columns (CPU refuses block-wise scales), int8 dequantizes each weight at each "
+                  "call: both are correctness paths here, not fast ones (docs/quantization.md).")
 #: Pixels per image token along each side in all four families: the VAE's 8 x 8, then 2 x 2 patches.
 PIXELS_PER_TOKEN = 16
 #: Forward inputs whose last dimension is a width of the model, and the config fields that set it (first present).
@@ -140,8 +145,23 @@ def _alternate(models: dict, args: tuple, kwargs: dict, repeats: int, seconds: d
         dist.barrier()
 
 
+def _load_variants(cls, folder: str, plans: dict, mesh, quantize) -> dict:
+    """Each plan's TP model, and with `quantize` our default plan quantized through `from_pretrained`."""
+    models = {}
+    for label, plan in plans.items():
+        with using_plan(cls, plan):
+            models[label] = cls.from_pretrained(folder, subfolder="transformer",
+                                                parallel_config=TensorParallelConfig(mesh=mesh)).eval()
+    if quantize is not None:
+        with using_plan(cls, plans["default"]):
+            models[f"default {quantize}"] = cls.from_pretrained(
+                folder, subfolder="transformer", quantization_config=str(quantize),
+                parallel_config=TensorParallelConfig(mesh=mesh)).eval()
+    return models
+
+
 def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int, one_process_after: bool,
-              control: bool) -> dict:
+              control: bool, quantize=None) -> dict:
     torch.set_num_threads(1)  # as torchrun does: the ranks share the host's cores
     tp = dist.get_world_size()
     mesh = init_distributed(tp=tp)["tp"]
@@ -150,11 +170,8 @@ def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int,
     plans = {**record.plan_variants, "stock": stock_plan(cls)}
     if control:  # stock's plan loaded twice: its ratio to stock is this machine's noise, measured in the same run
         plans[CONTROL] = plans["stock"]
-    models = {}
-    for label, plan in plans.items():
-        with using_plan(cls, plan):
-            models[label] = cls.from_pretrained(folder, subfolder="transformer",
-                                                parallel_config=TensorParallelConfig(mesh=mesh)).eval()
+    models = _load_variants(cls, folder, plans, mesh, quantize)
+    variants = list(models)
     alone = dist.get_rank() == 0
     seconds, outputs = {}, {}
     if one_process_after:  # the TP copies and a whole one do not fit together: the whole one runs after, alone
@@ -170,7 +187,7 @@ def _rank_job(family: str, folder: str, args: tuple, kwargs: dict, repeats: int,
         raise RuntimeError(f"{record.display_name}'s one-process output is not finite on the captured call: a timing "
                            "of it would mean nothing. Check the call (`capture_call`) and the config.")
     diffs = {label: max((out - ref).abs().max().item() for out, ref in zip(outputs[label], reference, strict=True))
-             for label in plans}
+             for label in variants}
     return {"seconds": seconds, "max_abs_diff": diffs,
             "params": sum(p.numel() for p in models["one process"].parameters())}
 
@@ -183,9 +200,12 @@ def one_process_after(params: int, tp_plans: int, element_size: int = 4, availab
 
 
 def measure_family(family: str, *, tp: int = 2, blocks: int = 1, tokens: int = 4096, text: int = 512,
-                   repeats: int = 3, width: str = "full", one_process: str = "auto", control: bool = False) -> dict:
+                   repeats: int = 3, width: str = "full", one_process: str = "auto", control: bool = False,
+                   quantize=None) -> dict:
     """One family's figures: seconds per forward of each plan and of one process (all samples and the median), the
-    ideal (one process / tp), and the ratios."""
+    ideal (one process / tp), and the ratios; with `quantize` ("fp8", "int8:16"), our default plan quantized too, in
+    the same alternation (its max abs diff is then its quantization error against the one-process bf16/float32)."""
+    quantize = None if quantize is None else Quantization.of(quantize)
     if tp < 2:
         raise ValueError(f"--tp {tp}: tensor parallelism needs at least 2 ranks (one process is measured anyway).")
     config = bench_config(family, blocks, width)
@@ -200,8 +220,8 @@ def measure_family(family: str, *, tp: int = 2, blocks: int = 1, tokens: int = 4
         model.save_pretrained(Path(folder) / "transformer")
         del model
         after = (one_process == "after" if one_process != "auto"
-                 else one_process_after(params, len(record.plan_variants) + 1 + control))
-        rank0 = run_on_cpu_ranks(_rank_job, tp, family, folder, args, kwargs, repeats, after, control,
+                 else one_process_after(params, len(record.plan_variants) + 1 + control + (quantize is not None)))
+        rank0 = run_on_cpu_ranks(_rank_job, tp, family, folder, args, kwargs, repeats, after, control, quantize,
                                  timeout_s=7200.0)[0]
     seconds = rank0["seconds"]
     median = {label: statistics.median(values) for label, values in seconds.items()}
@@ -219,6 +239,7 @@ def measure_family(family: str, *, tp: int = 2, blocks: int = 1, tokens: int = 4
         "vs_stock_rounds": rounds,
         "vs_ideal": {label: median[label] / ideal for label in median},
         "max_abs_diff": rank0["max_abs_diff"],
+        "quantize": None if quantize is None else str(quantize),
     }
 
 
@@ -245,6 +266,8 @@ def markdown(results: list[dict]) -> str:
             + "<br>".join(f"{result['vs_stock'][label]:.2f}x [{min(result['vs_stock_rounds'][label]):.2f} - "
                           f"{max(result['vs_stock_rounds'][label]):.2f}]" for label in ours) + " | "
             + "<br>".join(f"{ratio[label]:.2f}x" for label in ours) + " |")
+    if any(result.get("quantize") for result in results):
+        lines += ["", QUANTIZED_NOTE]
     return "\n".join(lines) + "\n"
 
 
@@ -290,6 +313,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control", action="store_true",
                         help=f"also time stock's plan loaded a second time ('{CONTROL}'): its ratio to stock is the "
                              "noise of this machine, beside ours")
+    parser.add_argument("--quantize", default=None, metavar="KIND[:BLOCK]",
+                        help="also our default plan with fp8 or int8 blocks (through from_pretrained's "
+                             "quantization_config), in the same alternation; on CPU its time says little")
     parser.add_argument("--out", type=Path, default=None, help="folder for step.json / .md / .png")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
 
@@ -298,5 +324,5 @@ def main(args: argparse.Namespace) -> None:
     command = record.command_line(args)
     results = run(args.family or list(FAMILIES), args.out, command, tp=args.tp, blocks=args.blocks, tokens=args.tokens,
                   text=args.text, repeats=args.repeats, width=args.width, one_process=args.one_process,
-                  control=args.control)
+                  control=args.control, quantize=args.quantize)
     print(json.dumps(results, indent=2) if args.json else markdown(results), end="")

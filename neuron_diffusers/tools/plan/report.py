@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 import torch
 
@@ -34,20 +33,16 @@ from ...parallel.plan_variants import VARIANTS, variant_plan
 from ...parallel.rules import collectives_per_forward
 from .layout_report import DEFAULT_SIZE, format_layouts, layouts_report
 from .profiles import PROFILES
+from .quantized import format_quantized, quantized_bytes
 from .sharding import (
     BF16_BYTES,
     GIB,
     held_params,
+    param_group,
     planned_model,
     sharded_names,
     valid_tp_degrees,
 )
-
-
-def param_group(param_name: str) -> str:
-    """`transformer_blocks.3.norm1.linear.weight` -> `transformer_blocks.*.norm1.linear` (first index = the block)."""
-    module_path = param_name.rpartition(".")[0] or param_name
-    return re.sub(r"\.\d+(?=\.|$)", ".*", module_path, count=1)
 
 
 def _replicated(model: torch.nn.Module, sharded: set, total: int) -> list[dict]:
@@ -75,8 +70,10 @@ def _variants(meta: torch.nn.Module, family, tp: int) -> list[dict]:
     return rows
 
 
-def plan_report(model: str, tp: int, plan: str = "default") -> dict:
-    """Per-rank parameters, bf16 bytes, replicated modules and collectives of `plan` at degree `tp`.
+def plan_report(model: str, tp: int, plan: str = "default", quantize=None) -> dict:
+    """Per-rank parameters, bf16 bytes, replicated modules and collectives of `plan` at degree `tp`; with
+    `quantize` ("fp8", "int8", "fp8:64"), also the per-rank bytes under that scheme (`quantized.py`), under
+    "quantized".
 
     `model` is a family name (its full-size default config) or a checkpoint folder (its
     `transformer/config.json`). Raises `ValueError` naming the valid degrees when `tp` does not
@@ -97,6 +94,7 @@ def plan_report(model: str, tp: int, plan: str = "default") -> dict:
     per_rank = held_params(meta, sharded, tp)
     replicated = _replicated(meta, sharded, total)
     calls = collectives_per_forward(meta, rules)
+    quantized = None if quantize is None else quantized_bytes(meta, rules, tp, quantize)
     return {
         "model": str(model),
         "family": family.name,
@@ -119,6 +117,7 @@ def plan_report(model: str, tp: int, plan: str = "default") -> dict:
         "all_gathers_per_forward": calls["all_gather"],
         "valid_tp_degrees": valid,
         "variants": _variants(meta, family, tp),
+        **({} if quantized is None else {"quantized": quantized}),
     }
 
 
@@ -161,6 +160,8 @@ def format_report(report: dict, top: int = 12) -> str:
         f"  replicated on every rank: {human_params(report['replicated_params'])} params "
         f"({report['replicated_params'] / report['total_params']:.1%} of the model)",
     ]
+    if "quantized" in report:
+        lines += ["", format_quantized(report["quantized"])]
     replicated = report["replicated"]
     if replicated:
         lines.append(f"  {'module':<52} {'params':>10} {'share':>7}")
@@ -200,6 +201,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/layouts.md)")
     parser.add_argument("--nodes", type=positive_int, default=1,
                         help="with --cores: the cores are this many nodes; shows which collectives cross them")
+    parser.add_argument("--quantize", default=None, metavar="KIND[:BLOCK]",
+                        help="with --tp: also the per-rank bytes with the blocks' Linears in fp8 or int8 (scales "
+                             "counted; docs/quantization.md)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -209,9 +213,11 @@ def main(args: argparse.Namespace) -> None:
                                           ("--profile", args.profile), ("--nodes", args.nodes != 1)) if value]
         if extra:
             raise ValueError(f"{', '.join(extra)} only apply to layouts: pass --cores N instead of --tp.")
-        report = plan_report(args.model, args.tp, args.plan)
+        report = plan_report(args.model, args.tp, args.plan, args.quantize)
         print(json.dumps(report) if args.json else format_report(report))
         return
+    if args.quantize is not None:
+        raise ValueError("--quantize applies to one degree's memory: pass --tp N instead of --cores.")
     report = layouts_report(args.model, args.cores, args.size or DEFAULT_SIZE, plan=args.plan,
                             true_cfg=args.true_cfg, hardware=args.profile, nodes=args.nodes)
     print(json.dumps(report) if args.json else format_layouts(report))

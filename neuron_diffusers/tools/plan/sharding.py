@@ -8,6 +8,8 @@ load would place on a rank.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ...compat.tp_loading import shard_specs
@@ -25,6 +27,12 @@ def planned_model(model: str) -> MetaModel:
         raise ValueError(f"{model} has a {type(meta.module).__name__} transformer, which has no tensor-parallel plan "
                          f"here. Plan one first (docs/authoring.md), or use `plan check` with a plan file.")
     return meta
+
+
+def param_group(param_name: str) -> str:
+    """`transformer_blocks.3.norm1.linear.weight` -> `transformer_blocks.*.norm1.linear` (first index = the block)."""
+    module_path = param_name.rpartition(".")[0] or param_name
+    return re.sub(r"\.\d+(?=\.|$)", ".*", module_path, count=1)
 
 
 def sharded_names(model: torch.nn.Module, plan: dict | None, tp: int) -> set[str]:
