@@ -8,7 +8,7 @@ import gc
 
 import torch
 from compile_jobs import _compile_family
-from lora_jobs import _compiled, outputs
+from lora_jobs import outputs
 from rank_cases import CaseError, one_thread, record
 
 #: 16 divides every row shard of tiny FLUX.1 at TP=2 (its inner width is 64): the default 128 would be refused.
@@ -93,13 +93,12 @@ def _restore(pipe, base: dict) -> dict:
             "equal_after_removal": _count_equal(base, restored)}
 
 
-LORA_CASES = ("outputs", "shards", "memory", "restored", "compiled")
+LORA_CASES = ("outputs", "shards", "memory", "restored")
 
 
-def lora_job(checkpoint, file: str, scale: float, other_scale: float, call, kinds=KINDS) -> dict:
+def lora_job(checkpoint, file: str, scale: float, call, kinds=KINDS) -> dict:
     """At TP=2 on FLUX.1, per kind: the quantized pipeline (`load_pipeline(quantize=...)`), its base tensors kept,
-    the LoRA fused at `scale`: outputs, shards against one process, memory; removed: the base restored. fp8 also
-    compiled (`aot_eager`), switching between no LoRA, `scale` and `other_scale`."""
+    the LoRA fused at `scale`: outputs, shards against one process, memory; removed: the base restored."""
     import neuron_diffusers as nd
 
     report = {}
@@ -116,26 +115,67 @@ def lora_job(checkpoint, file: str, scale: float, other_scale: float, call, kind
             record(report, (kind, "shards"), _shards_against_one_process, pipe, checkpoint, kind, [(file, scale)])
             record(report, (kind, "memory"), _memory, pipe)
             record(report, (kind, "restored"), _restore, pipe, base)
-            if kind == "fp8":
-                record(report, (kind, "compiled"), _compiled, pipe, (file, scale), (file, other_scale), call)
             del pipe
             gc.collect()
     return report
 
 
-def compile_job(checkpoint, call: dict, kinds, prompts: list, backend: str) -> dict:
-    """At TP=2 on FLUX.1, per kind: `compile_jobs._compile_family` on the quantized pipeline (warm-up with recompiles
-    raising, then `prompts`: graphs, breaks, recompiles, the output against eager)."""
+def compile_job(checkpoint, call: dict, kinds, prompts: list, backend: str, loras=None) -> dict:
+    """At TP=2 on FLUX.1, per kind: the quantized pipeline compiled (`compile_jobs._compile_family`: warm-up with
+    recompiles raising, then `prompts`: graphs, breaks, recompiles, the output against eager); with `loras`
+    (`{name: [(file, scale)]}`), `_compiled_switches` instead."""
     import neuron_diffusers as nd
 
     report = {}
     with one_thread():
         mesh = nd.init_distributed(tp=2)
         for kind in kinds:
-            record(report, kind, _compile_family, mesh, checkpoint, call, {"quantize": scheme(kind)}, prompts,
-                   backend, False)
+            if loras is None:
+                record(report, kind, _compile_family, mesh, checkpoint, call, {"quantize": scheme(kind)}, prompts,
+                       backend, False)
+            else:
+                record(report, kind, _compiled_switches, mesh, checkpoint, call, scheme(kind), prompts, backend,
+                       loras)
             torch._dynamo.reset()
     return report
+
+
+def _latents(pipe, prompt: str, call: dict):
+    latents = pipe.generate(prompt, seed=0, output_type="latent", **call)
+    return None if latents is None else latents[0].float().clone()
+
+
+def _compiled_switches(mesh, checkpoint, call: dict, quantize: str, prompts: list, backend: str,
+                       loras: dict) -> dict:
+    """Eager latents per LoRA set of `loras`; then compiled and warmed up (a recompile raises), `prompts` and every
+    set again, switched in place on the compiled model: graphs, breaks, recompiles and each set's latents."""
+    import neuron_diffusers as nd
+    from neuron_diffusers.compile import compile_repeated_blocks, compile_report, warmup
+
+    torch._dynamo.reset()
+    start = compile_report()
+    pipe = nd.load_pipeline(checkpoint, mesh, quantize=quantize)
+    eager = {}
+    for name, chosen in loras.items():
+        pipe.set_loras(chosen)
+        eager[name] = _latents(pipe, prompts[0], call)
+    compile_repeated_blocks(pipe, backend=backend)
+    guard = warmup(pipe, [(call["height"], call["width"])], on_recompile="raise",
+                   **{k: v for k, v in call.items() if k not in ("height", "width")})
+    try:
+        warm = compile_report()
+        for prompt in prompts:
+            pipe.generate(prompt, seed=0, output_type="latent", **call)
+        compiled = {}
+        for name, chosen in [*loras.items(), *loras.items()]:  # each set twice: switched away and back
+            pipe.set_loras(chosen)
+            compiled.setdefault(name, []).append(_latents(pipe, prompts[0], call))
+    finally:
+        guard.remove()
+    after = compile_report()
+    return {"graphs_after_warmup": warm["graphs"] - start["graphs"], "new_graphs": after["graphs"] - warm["graphs"],
+            "new_recompiles": after["recompiles"] - warm["recompiles"],
+            "graph_breaks": after["graph_breaks"] - start["graph_breaks"], "eager": eager, "compiled": compiled}
 
 
 def _served(serve_argv: list[str], bodies: dict) -> dict:

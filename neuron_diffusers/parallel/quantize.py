@@ -173,12 +173,25 @@ def fp8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: 
     return out
 
 
+@torch.library.custom_op("neuron_diffusers::fp8_block_linear", mutates_args=())
+def fp8_block_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """`fp8_linear` as one opaque op for `torch.compile`: traced inline, its loop unrolls into several ops per block,
+    which made compiling tiny FLUX.1 several times slower (docs/quantization.md). As one node it runs the same code
+    as eager, so compiled and eager give the same numbers; inductor calls it as an extern kernel."""
+    return fp8_linear(x, data, scale, block)
+
+
+@fp8_block_linear.register_fake
+def _fp8_block_linear_shape(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], data.shape[0]), dtype=torch.float32)
+
+
 def local_output(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A quantized Linear's product with this rank's local input, in the input's dtype, before any bias."""
     data = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
     flat = x.reshape(-1, x.shape[-1])
     if module.scheme.kind == "fp8":
-        out = fp8_linear(flat, data.view(FP8), module.weight_scale, module.scheme.block)
+        out = fp8_block_linear(flat, data.view(FP8), module.weight_scale, module.scheme.block)
     else:
         out = F.linear(flat.float(), dequantize_weight(data, module.weight_scale, module.scheme.block))
     return out.to(x.dtype).reshape(*x.shape[:-1], -1)
