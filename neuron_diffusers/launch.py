@@ -291,7 +291,7 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
         check_cache(cache, meta, compiled_block_classes(meta, checkpoint.adapter) if args.compile else None)
     runner_mode(checkpoint, checkpoint.adapter.buckets, args.ulysses, args.ring, args.cp_any_length,
                 compiled=bool(args.compile))
-    quantize = check_launch_quantize(checkpoint, tp_plan, tp, getattr(args, "quantize", None), loras)
+    quantize = check_launch_quantize(checkpoint, tp_plan, tp, getattr(args, "quantize", None))
     return LaunchSpec(checkpoint, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
                       mesh_order=args.mesh_order, cross_node=args.cross_node, cp_any_length=args.cp_any_length,
                       plan=plan_label(args.plan), tp_plan=tp_plan,
@@ -308,7 +308,7 @@ def spec_for(model, *, torch_dtype=None, pipeline_class=None, buckets=None, lora
     checkpoint = resolve(model, pipeline_class)
     check_experts(checkpoint, cache=cache, loras=loras)
     tp_plan = checked_plan(checkpoint, plan, 1)
-    quantize = check_launch_quantize(checkpoint, tp_plan, 1, quantize, loras)
+    quantize = check_launch_quantize(checkpoint, tp_plan, 1, quantize)
     if cache is not None:
         check_cache(cache, checkpoint.meta("transformer"))
     dtype = None if torch_dtype is None else str(torch_dtype).removeprefix("torch.")

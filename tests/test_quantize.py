@@ -106,11 +106,6 @@ def test_a_block_straddling_a_row_shard_is_refused_naming_one_that_fits():
     assert "quantize='fp8:16'" in str(error.value)
 
 
-def test_loras_on_quantized_shards_are_refused():
-    with pytest.raises(ValueError, match="fusing a LoRA into quantized shards is not supported yet"):
-        check_launch_quantize(resolve("flux"), None, 1, "fp8", loras=["some.safetensors"])
-
-
 def test_generate_refuses_a_bad_quantize_option(generate_refuses):
     generate_refuses(["--model", "flux", "--prompt", "a fox", "--quantize", "fp4"], "is not a scheme")
 

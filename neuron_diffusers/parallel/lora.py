@@ -14,6 +14,9 @@ each sharded Linear in a full-size adapter. We keep stock's reading and change o
 - Before its first change a touched local shard is copied to CPU, so `set([])` restores it bit for bit (in every
   dtype: subtracting the delta again would not be exact) and a switch rewrites the same tensors in place: compiled
   graphs keep their parameters and never recompile. Cost: host memory equal to the touched local shards.
+- A quantized shard (`parallel/quantize.py`) is dequantized, gets the deltas (summed in float64) and is quantized
+  again by the load's own per-row-and-block rule, in place; its copy is the quantized bytes and scales, so `set([])`
+  restores them bit for bit (docs/quantization.md).
 - Text-encoder parts go to the TP leader's CPU encoder as stock PEFT adapters (unfused: it runs once per prompt).
 
 Every request is read and checked in full on every rank before anything changes, and the ranks of a replica (its TP
@@ -48,7 +51,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import families
 from ..compat import plans as compat_plans
 from ..compat import tp_loading
-from .quantize import is_quantized
+from .quantize import is_quantized, quantized_local, requantize_rows
 
 #: The adapter name PEFT injects under in the meta-device copy that reports each module's scaling.
 _ADAPTER = "neuron_diffusers"
@@ -401,6 +404,52 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight.data
 
 
+@dataclass(frozen=True)
+class QuantizedCopy:
+    """The CPU copy of a quantized Linear's local shard (its stored bytes and its scales): what restores it."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes
+
+
+def _base_copy(module: torch.nn.Module) -> torch.Tensor | QuantizedCopy:
+    """A CPU copy of what fusing changes in `module`: its local weight, or a quantized shard's data and scales."""
+    if is_quantized(module):
+        return QuantizedCopy(*(t.detach().to("cpu", copy=True) for t in quantized_local(module)))
+    return _local(module.weight).detach().to("cpu", copy=True)
+
+
+def _restore(module: torch.nn.Module, saved: torch.Tensor | QuantizedCopy) -> None:
+    """`module`'s base back in place, bit for bit (the same tensors: compiled graphs keep them)."""
+    if isinstance(saved, QuantizedCopy):
+        data, scale = quantized_local(module)
+        data.copy_(saved.data)
+        scale.copy_(saved.scale)
+    else:
+        _local(module.weight).copy_(saved)
+
+
+def _fuse_quantized(module: torch.nn.Module, shape: torch.Size, deltas: list) -> None:
+    """The deltas added to a quantized shard a block of rows at a time (`quantize.requantize_rows`). They are summed
+    in float64: the products of two float32 factors are exact there, so a row's sum rounds to the same float32 on
+    every layout (a float32 matmul's rounding may vary with the shard's shape, and one last bit can move a weight
+    across a quantization step)."""
+    factors = [((a.double(), b.double()), weight) for (a, b), weight in deltas]
+    rows = max(1, FP32_CHUNK_BYTES // (8 * shape[1]))
+    for start in range(0, shape[0], rows):
+        stop = min(start + rows, shape[0])
+
+        def add(weight, start=start, stop=stop):
+            for (a, b), alpha in factors:
+                weight.addmm_(b[start:stop], a, alpha=alpha)
+
+        requantize_rows(module, start, stop, add)
+
+
 class FusedLoras:
     """The active LoRA set of one (possibly sharded) transformer, fused into this rank's weights.
 
@@ -420,13 +469,13 @@ class FusedLoras:
         self._plan = plan
         self._specs: dict | None = None  # the shard layouts, resolved on the first LoRA
         self._loaded: list[LoadedLora] = []
-        self._base: dict[str, torch.Tensor] = {}  # module name -> CPU copy of its untouched local weight
+        self._base: dict[str, torch.Tensor | QuantizedCopy] = {}  # module name -> CPU copy of its untouched shard
         self._text_adapters: list[tuple[str, float]] = []
         self._names = (f"{_ADAPTER}_{i}" for i in itertools.count())
         self._modules = dict(transformer.named_modules())
 
     @property
-    def base_copies(self) -> dict[str, torch.Tensor]:
+    def base_copies(self) -> dict[str, torch.Tensor | QuantizedCopy]:
         """The CPU copies of the local weights the active set changed, by module name: what restores the base."""
         return dict(self._base)
 
@@ -509,9 +558,6 @@ class FusedLoras:
 
     def _layout(self, name: str) -> tuple[int | None, list[int] | None, object]:
         """How module `name`'s weight is split over the ranks: (dim, block sizes, mesh), or (None, None, None)."""
-        if is_quantized(self._modules[name]):
-            raise LoraError(f"{name} holds quantized weights (quantize={self._modules[name].scheme}): fusing a LoRA "
-                            "into quantized shards is not supported yet. Load without `quantize` to use LoRAs.")
         weight = self._modules[name].weight
         if not isinstance(weight, DTensor) or all(isinstance(p, Replicate) for p in weight.placements):
             return None, None, None
@@ -539,18 +585,23 @@ class FusedLoras:
     @torch.no_grad()
     def _fuse(self, loaded: list[LoadedLora]) -> None:
         """Base weights back from the CPU copies, then every LoRA of `loaded` added: summed in fp32 and rounded once,
-        a block of rows at a time, so the fp32 working memory stays at `FP32_CHUNK_BYTES` whatever the weight."""
+        a block of rows at a time, so the fp32 working memory stays at `FP32_CHUNK_BYTES` whatever the weight
+        (a quantized shard: dequantized, summed in float64 and quantized again, `_fuse_quantized`)."""
         for name, saved in self._base.items():
-            _local(self._modules[name].weight).copy_(saved)
+            _restore(self._modules[name], saved)
         targets = sorted({name for lora in loaded for name in lora.factors})
         for name in set(self._base) - set(targets):
             del self._base[name]
         for name in targets:
-            local = _local(self._modules[name].weight)
+            module = self._modules[name]
             if name not in self._base:
-                self._base[name] = local.detach().to("cpu", copy=True)
+                self._base[name] = _base_copy(module)
+            local = _local(module.weight)
             deltas = [(self._local_factors(name, lora.factors[name], local.device),
                        lora.spec.scale * lora.factors[name].scaling) for lora in loaded if name in lora.factors]
+            if is_quantized(module):
+                _fuse_quantized(module, local.shape, deltas)
+                continue
             rows = max(1, FP32_CHUNK_BYTES // (4 * local.shape[1]))
             for start in range(0, local.shape[0], rows):
                 part = local[start:start + rows]

@@ -113,15 +113,13 @@ def check(model: torch.nn.Module, plan: dict | None, tp: int, scheme: Quantizati
     return names
 
 
-def check_launch_quantize(checkpoint, plan: dict | None, tp: int, value, loras=()) -> Quantization | None:
+def check_launch_quantize(checkpoint, plan: dict | None, tp: int, value) -> Quantization | None:
     """`quantize=` of `load_pipeline`, `generate` and `serve`, checked before any weight is read (on the meta-device
-    transformer, with the family's `QUANTIZE` rules): the scheme, or None."""
+    transformer, with the family's `QUANTIZE` rules): the scheme, or None. LoRAs fuse into quantized shards
+    (`requantize_rows`), so they need no check here."""
     scheme = Quantization.of(value)
     if scheme is None:
         return None
-    if list(loras):
-        raise ValueError(f"quantize={scheme} with LoRAs: fusing a LoRA into quantized shards is not supported yet. "
-                         "Drop the LoRAs or the quantization.")
     check(checkpoint.meta("transformer"), plan, tp, scheme, quantize_rules(checkpoint.family))
     return scheme
 
@@ -175,12 +173,25 @@ def fp8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: 
     return out
 
 
+@torch.library.custom_op("neuron_diffusers::fp8_block_linear", mutates_args=())
+def fp8_block_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """`fp8_linear` as one opaque op for `torch.compile`: traced inline, its loop unrolls into several ops per block,
+    which made compiling tiny FLUX.1 several times slower (docs/quantization.md). As one node it runs the same code
+    as eager, so compiled and eager give the same numbers; inductor calls it as an extern kernel."""
+    return fp8_linear(x, data, scale, block)
+
+
+@fp8_block_linear.register_fake
+def _fp8_block_linear_shape(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], data.shape[0]), dtype=torch.float32)
+
+
 def local_output(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A quantized Linear's product with this rank's local input, in the input's dtype, before any bias."""
     data = module.weight.to_local() if isinstance(module.weight, DTensor) else module.weight
     flat = x.reshape(-1, x.shape[-1])
     if module.scheme.kind == "fp8":
-        out = fp8_linear(flat, data.view(FP8), module.weight_scale, module.scheme.block)
+        out = fp8_block_linear(flat, data.view(FP8), module.weight_scale, module.scheme.block)
     else:
         out = F.linear(flat.float(), dequantize_weight(data, module.weight_scale, module.scheme.block))
     return out.to(x.dtype).reshape(*x.shape[:-1], -1)
@@ -265,3 +276,29 @@ def _quantize_linear(module: torch.nn.Linear, scheme: Quantization) -> None:
         module.hoisted_local = functools.partial(_hoisted_local, module)
     else:
         module.__class__ = QuantizedLinear
+
+
+# -- LoRAs fused into quantized shards (`parallel/lora.py`) ---------------------------------------------------------
+
+
+def quantized_local(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's stored quantized weight (fp8's bytes as uint8, or int8) and its scales `(blocks, out)`: the two
+    tensors a LoRA rewrites in place (so compiled graphs keep them) and `set_loras([])` copies back."""
+    weight = module.weight
+    return (weight.to_local() if isinstance(weight, DTensor) else weight.data), module.weight_scale
+
+
+@torch.no_grad()
+def requantize_rows(module: torch.nn.Linear, start: int, stop: int, add) -> None:
+    """Rows `start:stop` of a quantized Linear's local shard dequantized (to float64), `add(rows)` adding a LoRA's
+    delta into them in place, then quantized again by the load's own rule (`quantize_weight`: per row and block) and
+    written back in place. A row's new data and scales depend on that row's values only, and a rank's rows and blocks
+    are one process's, so the fused shards are one process's fused weights, whatever the layout."""
+    data, scale = quantized_local(module)
+    scheme, rows = module.scheme, data[start:stop]
+    stored = rows.view(FP8) if scheme.kind == "fp8" else rows
+    weight = dequantize_weight(stored, scale[:, start:stop], scheme.block).double()
+    add(weight)
+    new_data, new_scale = quantize_weight(weight, scheme)
+    rows.copy_(new_data.view(rows.dtype))
+    scale[:, start:stop].copy_(new_scale)
