@@ -111,6 +111,15 @@ class Checkpoint:
     def transformer_class(self):
         return getattr(diffusers, self.component_class_name("transformer"))
 
+    @property
+    def experts(self) -> tuple[str, ...]:
+        """The further denoisers this checkpoint holds, of the ones its adapter names (`adapter.experts`, e.g. Wan
+        2.2 A14B's low-noise `transformer_2`) and of the transformer's own class: each is sharded with the
+        transformer's plan, never loaded whole (Wan 2.1's index entry `[null, null]` is no expert)."""
+        main = self.index.get("transformer")
+        return tuple(name for name in self.adapter.experts
+                     if name in self.component_names() and main is not None and self.index[name][:2] == main[:2])
+
     def meta(self, component: str) -> torch.nn.Module:
         """Component `component` built from its config on the meta device: its shapes, none of its weights."""
         model_cls = getattr(diffusers, self.component_class_name(component))

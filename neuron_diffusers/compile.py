@@ -97,6 +97,10 @@ def compile_repeated_blocks(pipe_or_transformer, backend: str = "auto", *, block
     the defaults `fullgraph=True, dynamic=False`. Compile after `load_pipeline`: the TP hooks must be in place first.
     """
     transformer = _transformer_of(pipe_or_transformer)
+    experts = getattr(getattr(pipe_or_transformer, "checkpoint", None), "experts", ())
+    if experts:
+        raise ValueError(f"compile_repeated_blocks compiles one transformer, and this pipeline has a second expert "
+                         f"({', '.join(experts)}) that would run eagerly (not supported yet): run it uncompiled.")
     _refuse_any_length(transformer)
     _warn_if_unbucketed(pipe_or_transformer)
     block_classes = compiled_block_classes(transformer, getattr(pipe_or_transformer, "adapter", None), blocks)

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -395,14 +396,15 @@ def default_store() -> dist.Store:
 POLL_S = (0.001, 0.02)
 
 
-def wait_keys(store: dist.Store, keys: list[str], timeout_s: float) -> bool:
-    """Whether every key of `keys` is in `store` within `timeout_s`. Polls with short sleeps instead of one blocking
-    `store.wait`: Python runs a signal handler only between bytecodes, so a SIGTERM (torchrun's, after a peer died)
-    waited out a blocking wait, and torchrun SIGKILLs after 30 s (measured: 30.9 s, now 0.6 s); in a sleep it is
-    handled at once."""
+def wait_keys(store: dist.Store, keys: list[str], timeout_s: float,
+              give_up: Callable[[], bool] = lambda: False) -> bool:
+    """Whether every key of `keys` is in `store` within `timeout_s` (and before `give_up()` says to stop waiting, e.g.
+    once a peer is known dead). Polls with short sleeps instead of one blocking `store.wait`: Python runs a signal
+    handler only between bytecodes, so a SIGTERM (torchrun's, after a peer died) waited out a blocking wait, and
+    torchrun SIGKILLs after 30 s (measured: 30.9 s, now 0.6 s); in a sleep it is handled at once."""
     deadline, pause = time.monotonic() + timeout_s, POLL_S[0]
     while not store.check(keys):
-        if time.monotonic() > deadline:
+        if give_up() or time.monotonic() > deadline:
             return False
         time.sleep(pause)
         pause = min(pause * 1.5, POLL_S[1])

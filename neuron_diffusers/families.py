@@ -150,7 +150,8 @@ FAMILIES: tuple[Family, ...] = (
         PipelineClass("QwenImage21Pipeline", references=True, named_cfg_branches=True),
     )),
     Family("h3", "MiniMax-H3", "MiniMaxH3Adapter", "MiniMaxAI/MiniMax-H3", (PipelineClass("MiniMaxH3Blocks"),)),
-    Family("wan", "Wan 2.1", "WanAdapter", "Wan-AI/Wan2.1-T2V-14B-Diffusers", (PipelineClass("WanPipeline"),)),
+    Family("wan", "Wan 2.1", "WanAdapter", "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+           (PipelineClass("WanPipeline", named_cfg_branches=True),)),
     # The worked example of docs/authoring.md: a plan, no pipeline.
     Family("hunyuanvideo", "HunyuanVideo"),
 )

@@ -19,12 +19,13 @@ import torch
 from . import tiny
 from .checkpoint import Checkpoint, resolve
 from .cli import positive_int
+from .compat.tp_loading import shard_specs
 from .compile import compiled_block_classes, resolve_backend
 from .distributed import AUTO_ORDER, MESH_ORDERS, check_cp_degrees, check_tp_degree, mesh_layout
 from .parallel import context
 from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import LoadedLora, LoraSpec, check_loras, lora_loader, read_lora
-from .parallel.plan_variants import VARIANTS, variant_plan
+from .parallel.plan_variants import VARIANTS, is_plan_file, plan_label, variant_plan
 from .parallel.quantize import Quantization, check_launch_quantize
 from .topology import check_node_local, detect_nodes
 
@@ -39,10 +40,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, lora_type=None,
     group.add_argument("--tp", type=positive_int, default=None,
                        help="tensor-parallel degree (default: all ranks; with --cfg-parallel half of them); the other "
                             "ranks form more replicas")
-    group.add_argument("--plan", choices=VARIANTS, default="default",
+    group.add_argument("--plan", type=plan_choice, default="default", metavar="{default,lean,stock,FILE.py}",
                        help="tensor-parallel plan: default (no more collectives per forward than stock, then the "
-                            "least memory), lean (less memory per rank for more collectives: Qwen-Image-2.1) or "
-                            "stock (diffusers' own)")
+                            "least memory), lean (less memory per rank for more collectives: Qwen-Image-2.1), "
+                            "stock (diffusers' own), or a plan file (`plan draft MODEL --out FILE.py`, reviewed), "
+                            "checked against the model before any weight is read")
     group.add_argument("--cfg-parallel", action="store_true",
                        help="true CFG (negative prompt, scale > 1): compute cond and uncond on two TP groups at once; "
                             "needs a multiple of 2 x tp ranks. Requests without true CFG use the pairs as data "
@@ -88,6 +90,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, lora_type=None,
                             "taylorseer:KEY=VALUE,... or mag:KEY=VALUE,... (diffusers' FirstBlockCacheConfig, "
                             "TaylorSeerCacheConfig, MagCacheConfig fields)")
     return group
+
+
+def plan_choice(text: str) -> str:
+    """`--plan`'s value: a plan's name or a plan file (read and checked in `plan_launch`)."""
+    if text in VARIANTS or is_plan_file(text):
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: '{text}' (choose from {', '.join(VARIANTS)}, or a plan file "
+                                     "FILE.py)")
 
 
 #: The destinations of the shared options (what a test compares between the two commands' parsers).
@@ -228,6 +238,35 @@ def read_loras(checkpoint: Checkpoint, loras) -> tuple[LoadedLora, ...]:
                  for spec in specs)
 
 
+def checked_plan(checkpoint: Checkpoint, plan: str, tp: int) -> dict:
+    """The plan's table; a plan file is also laid out on the meta-device transformer at degree `tp` (every rule
+    must name Linears, split evenly and be coalesced as written), as the loader would, before any weight is read.
+    The named plans are the package's own, proven by its tests."""
+    tp_plan = variant_plan(checkpoint.family, plan)
+    if is_plan_file(plan):
+        try:
+            shard_specs(checkpoint.meta("transformer"), tp_plan, tp)
+        except ValueError as error:
+            raise ValueError(f"Plan file {plan} does not fit {checkpoint.path}'s transformer at tp={tp}: {error} "
+                             f"(`neuron-diffusers plan check {plan} --model {checkpoint.path}` lists every "
+                             "problem).") from None
+    return tp_plan
+
+
+def check_experts(checkpoint: Checkpoint, *, cache=None, loras=(), compile: str | None = None) -> None:
+    """A checkpoint with a second expert (Wan 2.2 A14B's `transformer_2`) is sharded, quantized and run under CFG and
+    context parallelism like its transformer; what is written for one transformer alone is refused, before any
+    weight is read."""
+    if not checkpoint.experts:
+        return
+    wanted = [name for name, given in (("a step cache (--cache)", cache), ("LoRAs (--lora)", loras),
+                                       ("--compile", compile)) if given]
+    if wanted:
+        raise ValueError(f"{checkpoint.path} has a second expert ({', '.join(checkpoint.experts)}), and "
+                         f"{' and '.join(wanted)} would apply to its first transformer only (not supported yet): "
+                         "run it without them.")
+
+
 def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = None,
                 loras: list[LoraSpec] = ()) -> LaunchSpec:
     """Check every shared option once, reading no weight and starting no process group: a frozen `LaunchSpec`.
@@ -242,9 +281,10 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
     cache = parse_cache_spec(args.cache, steps=steps) if args.cache else None
     tp, pairs = mesh_degrees(args, world_size)
     checkpoint = resolve(args.model, args.pipeline)
+    check_experts(checkpoint, cache=cache, loras=loras, compile=args.compile)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
-    tp_plan = variant_plan(checkpoint.family, args.plan)
+    tp_plan = checked_plan(checkpoint, args.plan, tp)
     if cache is not None:
         # Tried on the meta-device transformer (no weights), with the blocks `--compile` would compile.
         meta = checkpoint.meta("transformer")
@@ -254,7 +294,7 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
     quantize = check_launch_quantize(checkpoint, tp_plan, tp, getattr(args, "quantize", None), loras)
     return LaunchSpec(checkpoint, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
                       mesh_order=args.mesh_order, cross_node=args.cross_node, cp_any_length=args.cp_any_length,
-                      plan=args.plan, tp_plan=tp_plan,
+                      plan=plan_label(args.plan), tp_plan=tp_plan,
                       cache=cache, cache_text=args.cache, parallel_vae=args.parallel_vae,
                       compile=args.compile, warmup=args.warmup, dtype=default_dtype(args.dtype, device_type),
                       loras=read_loras(checkpoint, loras), quantize=quantize)
@@ -266,12 +306,13 @@ def spec_for(model, *, torch_dtype=None, pipeline_class=None, buckets=None, lora
     """`load_pipeline`'s keyword arguments as a checked spec (the mesh's degrees are filled in at load; the
     quantization's blocks are checked against them there)."""
     checkpoint = resolve(model, pipeline_class)
-    tp_plan = variant_plan(checkpoint.family, plan)
+    check_experts(checkpoint, cache=cache, loras=loras)
+    tp_plan = checked_plan(checkpoint, plan, 1)
     quantize = check_launch_quantize(checkpoint, tp_plan, 1, quantize, loras)
     if cache is not None:
         check_cache(cache, checkpoint.meta("transformer"))
     dtype = None if torch_dtype is None else str(torch_dtype).removeprefix("torch.")
-    return LaunchSpec(checkpoint, cp_any_length=cp_any_length, plan=plan, tp_plan=tp_plan, cache=cache,
+    return LaunchSpec(checkpoint, cp_any_length=cp_any_length, plan=plan_label(plan), tp_plan=tp_plan, cache=cache,
                       parallel_vae=parallel_vae, loras=read_loras(checkpoint, loras), dtype=dtype,
                       buckets=None if buckets is None else tuple(buckets), quantize=quantize)
 

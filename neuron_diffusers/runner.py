@@ -62,7 +62,7 @@ from .distributed import (
     rank,
     replica_ranks,
 )
-from .launch import LaunchSpec, check_guidance, runner_mode, spec_for
+from .launch import LaunchSpec, check_experts, check_guidance, runner_mode, spec_for
 from .parallel import context
 from .parallel.cache import GroupCache, enable_group_cache, group_cache_of, sum_counts
 from .parallel.cfg import cfg_parallel_transformer, swap_branches
@@ -149,6 +149,8 @@ class ParallelPipeline:
         """Make `loras` (`[(path_or_hub_id, scale), ...]`) the active LoRA set, fused into every rank's shard in place
         (no reload, compiled graphs reused); `[]` restores the base weights bit for bit. Every rank of the replica
         must call it with the same list; a bad request raises the same `LoraError` on each and changes nothing."""
+        if self.checkpoint is not None:
+            check_experts(self.checkpoint, loras=loras)
         if self.loras is None:
             self.loras = FusedLoras.for_pipeline(self.adapter, self.pipe, self.encoder, self.mesh)
         self.loras.set(loras)
@@ -301,7 +303,8 @@ class ParallelPipeline:
         generator = generators[0] if len(generators) == 1 else generators
         check = LatentAgreement(image_group(self.mesh), every=check_latents_every, cfg_group=cfg_group,
                                 group_name="image group (TP x context parallel)" if self.cp_mode else None)
-        proxy = cfg_parallel_transformer(self.pipe, cfg_group) if joint else nullcontext()
+        experts = self.checkpoint.experts if self.checkpoint is not None else ()
+        proxy = cfg_parallel_transformer(self.pipe, cfg_group, experts) if joint else nullcontext()
         splits_vae = self._splits_vae(pipeline_kwargs)
         images = nullcontext()
         if image_kwargs:
@@ -584,27 +587,30 @@ class _Recipe:
 
     def shard_transformer(self, transformer: torch.nn.Module | None) -> torch.nn.Module:
         """Each rank streams its own slice (TP over "tp", CP over "ring" x "ulysses"); a degree that does not divide
-        the heads is rejected by `from_pretrained` itself, before any weight is read (see `compat/`)."""
+        the heads is rejected by `from_pretrained` itself, before any weight is read (see `compat/`). The experts
+        (Wan 2.2's `transformer_2`) are sharded the same way, with the same plan."""
+        check_launch_quantize(self.checkpoint, self.spec.tp_plan, dim_size(self.mesh, "tp"), self.spec.quantize)
+        with self.times.phase("load transformer (sharded)"):
+            transformer = self._sharded("transformer") if transformer is None else transformer.to(self.device)
+            self.experts = {name: self._sharded(name) for name in self.checkpoint.experts}
+        return transformer
+
+    def _sharded(self, component: str) -> torch.nn.Module:
         parallel = _parallel_config(self.mesh, self.mode)
         cls, tp_plan = self.checkpoint.transformer_class(), self.spec.tp_plan
-        check_launch_quantize(self.checkpoint, tp_plan, dim_size(self.mesh, "tp"), self.spec.quantize)
-        with self.times.phase("load transformer (sharded)"):
-            if transformer is None:
-                with using_plan(cls, tp_plan):
-                    transformer = cls.from_pretrained(self.checkpoint.path, subfolder="transformer",
-                                                      dtype=self.torch_dtype, **parallel)
-                record_tp_plan(transformer, tp_plan)
-            if not parallel:
-                transformer.to(self.device)
-        return transformer
+        with using_plan(cls, tp_plan):
+            model = cls.from_pretrained(self.checkpoint.path, subfolder=component, dtype=self.torch_dtype, **parallel)
+        record_tp_plan(model, tp_plan)
+        return model if parallel else model.to(self.device)
 
     def quantize(self, transformer: torch.nn.Module) -> None:
         """Each rank's own shards quantized, with the scales one process would use (`parallel/quantize.py`); the
         blocks were checked against the mesh's TP degree in `shard_transformer`, before any weight was read."""
         if self.spec.quantize is not None:
             with self.times.phase("quantize"):
-                quantize_model(transformer, self.spec.quantize, self.spec.tp_plan,
-                               quantize_rules(self.checkpoint.family))
+                for model in (transformer, *self.experts.values()):
+                    quantize_model(model, self.spec.quantize, self.spec.tp_plan,
+                                   quantize_rules(self.checkpoint.family))
 
     def install_cache(self, transformer: torch.nn.Module) -> None:
         """After sharding (the hooks wrap the coalesced block forwards). The group is every rank that computes this
@@ -621,6 +627,8 @@ class _Recipe:
             encoder = adapter.load_encoder(self.checkpoint, self.torch_dtype) if leader else None
             pipe = adapter.load_denoiser(self.checkpoint, transformer, self.torch_dtype, self.device, decodes=leader,
                                          helps_decode=self.vae_min_pixels is not None)
+            if self.experts:
+                pipe.register_modules(**self.experts)
             follower_vae = None
             if not leader and self.vae_min_pixels is None and "image" in adapter.call_parameters():
                 dtype = self.torch_dtype or torch.float32

@@ -117,13 +117,13 @@ def runner_checks(family: str, checkpoint, call: dict) -> dict:
     return report
 
 
-def runner_lean_check(checkpoint, call: dict) -> dict:
-    """The lean plan by name (Qwen-Image-2.1): modulation sharded too, the same float image."""
+def runner_lean_check(checkpoint, call: dict, plan: str = "lean") -> dict:
+    """The lean plan (Qwen-Image-2.1), by name or from a plan file: modulation sharded too, the same float image."""
     from torch.distributed.tensor import DTensor
 
     import neuron_diffusers as nd
 
-    pipe = nd.load_pipeline(checkpoint, nd.init_distributed(tp=2), plan="lean")
+    pipe = nd.load_pipeline(checkpoint, nd.init_distributed(tp=2), plan=plan)
     outputs = pipe.generate(PROMPT, seed=0, **float_call("qwenimage21", call))
     modulation = pipe.adapter.transformer_of(pipe.pipe).modulation[1].weight
     return {"output": None if outputs is None else _as_arrays(outputs[0]),

@@ -249,7 +249,7 @@ def _unsplittable_vae(tmp_path, tiny_checkpoint):
     copy = tmp_path / "other-vae-checkpoint"
     shutil.copytree(tiny_checkpoint("flux"), copy)
     index = json.loads((copy / "model_index.json").read_text())
-    index["vae"] = ["diffusers", "AutoencoderKLWan"]
+    index["vae"] = ["diffusers", "AutoencoderKLCogVideoX"]
     (copy / "model_index.json").write_text(json.dumps(index))
     return str(copy)
 
@@ -280,9 +280,16 @@ BAD_INPUT = {
     "guidance for a distilled model": (lambda t, c: ["--prompt", "a fox", "--model", "h3", "--guidance", "3"],
                                        "guidance-distilled: drop --guidance"),
     "plan the family lacks": (lambda t, c: ["--prompt", "a fox", "--plan", "lean"], "FLUX.1 has no 'lean' plan"),
+    "missing plan file": (lambda t, c: ["--prompt", "a fox", "--plan", str(t / "nope.py")], "nope.py does not exist"),
+    "plan file for another class": (lambda t, c: ["--prompt", "a fox", "--plan", _write(
+        t, "qi.py", 'from .flux import PLAN\nMODEL_CLASS = "QwenImageTransformer2DModel"\n')],
+        "is written for QwenImageTransformer2DModel (its MODEL_CLASS), but this checkpoint's transformer is a "
+        "FluxTransformer2DModel"),
+    "plan file that does not fit": (lambda t, c: ["--prompt", "a fox", "--plan", _write(
+        t, "typo.py", 'PLAN = {"transformer_blocks.*.attn.to_qq": "colwise"}\n')], "does not fit"),
     "parallel VAE it cannot split": (lambda t, c: ["--prompt", "a fox", "--model", _unsplittable_vae(t, c),
                                                    "--parallel-vae"],
-                                     "parallel_vae does not support AutoencoderKLWan"),
+                                     "parallel_vae does not support AutoencoderKLCogVideoX"),
 }
 
 

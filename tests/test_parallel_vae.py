@@ -26,7 +26,8 @@ from neuron_diffusers.parallel.vae_rows import RowGeometry, split_rows
 ROUNDING = 1e-4
 GENERATIONS = {"flux": {"height": 256, "width": 256, "num_inference_steps": 2},
                "qwenimage": {"height": 256, "width": 256, "num_inference_steps": 2},
-               "h3": tiny.smallest_call("h3")}  # 124 frames: 37 latent frames, decoded as 4 clips
+               "h3": tiny.smallest_call("h3"),  # 124 frames: 37 latent frames, decoded as 4 clips
+               "wan": {**tiny.smallest_call("wan"), "num_frames": 9}}  # 3 latent frames of 4 x 4 rows
 #: Under context parallelism (Ulysses=2, TP=1) the image group's ranks hold the VAE and split the decode too.
 CONTEXT_PARALLEL = {family: GENERATIONS[family] for family in ("flux", "qwenimage", "h3")}
 SMALL_TILES = {"tile_sample_min_height": 64, "tile_sample_min_width": 64,
@@ -36,6 +37,7 @@ CASES = {  # latents are 8x (16x for Qwen-Image-2.1 and MiniMax-H3) smaller than
     "flux uneven": {"family": "flux", "latent": [2, 4, 33, 25], "image": [2, 3, 264, 200]},
     "flux2": {"family": "flux2", "latent": [1, 4, 32, 32], "image": [1, 3, 256, 256]},
     "qwenimage video": {"family": "qwenimage", "latent": [1, 16, 3, 16, 16], "image": [1, 3, 5, 128, 128]},
+    "wan video": {"family": "wan", "latent": [1, 4, 3, 16, 16], "image": [1, 3, 9, 128, 128]},
     "qwenimage21": {"family": "qwenimage21", "latent": [1, 64, 1, 16, 16], "image": [1, 4, 1, 256, 256]},
     # 3 x 3 tiles of 64 px per clip; 22 frames encode as 2 clips, 7 latent frames decode as 1.
     "h3 tiles": {"family": "h3", "latent": [1, 4, 7, 8, 8], "image": [1, 3, 22, 128, 128], "tiling": SMALL_TILES},
@@ -90,6 +92,16 @@ def test_parallel_vae_h3_video_matches_stock_per_frame(rank_pool, tiny_checkpoin
     leader, other = _generated(rank_pool, tiny_checkpoint, "h3", layout)
     assert_equals_stock_with_control(leader["output"], expected, control, f"h3 {layout}")
     assert other["output"] is None and other["decode_calls"] > 0
+
+
+@pytest.mark.parametrize("layout", ["", "ulysses2 "], ids=["tp2", "ulysses2"])
+def test_parallel_vae_wan_video_matches_stock(rank_pool, tiny_checkpoint, layout):
+    """Wan's causal 3-D VAE split by rows like Qwen-Image's video frames: every frame within float32 rounding of
+    stock, another prompt further than that, and both ranks decoding."""
+    expected, control = _stock(tiny_checkpoint, "wan"), _stock(tiny_checkpoint, "wan", OTHER_PROMPT)
+    leader, other = _generated(rank_pool, tiny_checkpoint, "wan", layout)
+    assert_equals_stock_with_control(leader["output"], expected, control, f"wan {layout}")
+    assert other["output"] is None and other["decode_calls"] > 0 and leader["decode_calls"] > 0
 
 
 def _assert_controls_exceed(ranks, case, bar=ROUNDING):
@@ -176,9 +188,9 @@ def test_downsample_pad_then_conv_unit():
 
 def test_unsupported_vae_class_is_refused_by_name_before_loading():
     check_supported("AutoencoderKLQwenImage")
-    with pytest.raises(ValueError, match="does not support AutoencoderKLWan.*parallel_vae=False"):
-        resolve_parallel_vae(True, "AutoencoderKLWan", 2)
-    assert resolve_parallel_vae(None, "AutoencoderKLWan", 2) is None  # the default leaves it to the leader
+    with pytest.raises(ValueError, match="does not support AutoencoderKLCogVideoX.*parallel_vae=False"):
+        resolve_parallel_vae(True, "AutoencoderKLCogVideoX", 2)
+    assert resolve_parallel_vae(None, "AutoencoderKLCogVideoX", 2) is None  # the default leaves it to the leader
     assert resolve_parallel_vae(True, "AutoencoderKL", 1) is None  # one rank: nothing to split
     assert resolve_parallel_vae(False, "AutoencoderKLMiniMaxH3", 2) is None
     assert resolve_parallel_vae(True, "AutoencoderKL", 2) == 0  # asked for: every size

@@ -90,14 +90,22 @@ def runner_reports(tiny_checkpoint, rank_pool):
     return get
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, ("qwenimage21", "lean")])
-def test_tp2_generate_matches_stock_single_process(tiny_checkpoint, rank_pool, runner_reports, family):
+#: A plan file as `plan draft --out` writes one (run as a module of `tp_plans`), holding Qwen-Image-2.1's lean plan.
+LEAN_PLAN_FILE = 'from .qwenimage21 import LEAN_PLAN as PLAN\n\nMODEL_CLASS = "QwenImage21Transformer2DModel"\n'
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, ("qwenimage21", "lean"), ("qwenimage21", "lean.py")], ids=str)
+def test_tp2_generate_matches_stock_single_process(tiny_checkpoint, rank_pool, runner_reports, family, tmp_path):
     name = family if isinstance(family, str) else family[0]
     reference = stock_output(tiny_checkpoint(name), name)
     control = stock_output(tiny_checkpoint(name), name, prompt=OTHER_PROMPT)
-    if family == ("qwenimage21", "lean"):  # load_pipeline(plan="lean"): the modulation is sharded as well
+    if not isinstance(family, str):  # plan="lean" or a plan file holding it: the modulation is sharded as well
+        plan = family[1]
+        if plan.endswith(".py"):
+            (tmp_path / plan).write_text(LEAN_PLAN_FILE)
+            plan = str(tmp_path / plan)
         leader, other = rank_pool.run(runner_jobs.runner_lean_check, 2, tiny_checkpoint(name),
-                                      tiny.smallest_call(name), timeout_s=600)
+                                      tiny.smallest_call(name), plan, timeout_s=600)
         assert leader["modulation_sharded"] and other["modulation_sharded"]
         output, other_output = leader["output"], other["output"]
     else:
@@ -115,11 +123,11 @@ def test_only_the_leader_loads_the_text_encoder(runner_reports, family):
     assert leader_holds and not other_holds
     leader, other = case(reports, "models_in_memory")
     assert any("Autoencoder" not in name for name in leader)
-    # Parallel VAE is on by default at TP > 1 (tests/test_parallel_vae.py): every rank holds the image (video) VAE,
+    # Parallel VAE is on by default at TP > 1 (tests/test_parallel_vae.py): every rank holds the image (video) VAE
+    # (Wan's causal 3-D VAE too, split by rows),
     # and only the leader the small audio VAE of MiniMax-H3.
     vaes = [name for name in leader if "Autoencoder" in name and "Audio" not in name]
-    # Wan's AutoencoderKLWan is not one parallel VAE splits: the leader alone holds it.
-    assert vaes and other == ([] if family == "wan" else vaes)
+    assert vaes and other == vaes
 
 
 @pytest.mark.parametrize("family", FAMILIES)

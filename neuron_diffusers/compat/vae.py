@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from diffusers.models import attention_processor, downsampling, modeling_outputs
-from diffusers.models.autoencoders import autoencoder_kl_qwenimage, autoencoder_kl_qwenimage21
+from diffusers.models.autoencoders import autoencoder_kl_qwenimage, autoencoder_kl_qwenimage21, autoencoder_kl_wan
 from diffusers.models.autoencoders import vae as vae_module
 
 #: diffusers' VAE building blocks (not exported) that parallel VAE handles, by what they do along the rows
@@ -15,14 +15,17 @@ from diffusers.models.autoencoders import vae as vae_module
 #: `padding`, `conv`), and blocks whose output row depends only on its own input rows ("row_local").
 VAE_BLOCKS = {
     "gathered": ((attention_processor, "Attention"), (autoencoder_kl_qwenimage, "QwenImageAttentionBlock"),
-                 (autoencoder_kl_qwenimage21, "QwenImage21AttentionBlock")),
+                 (autoencoder_kl_qwenimage21, "QwenImage21AttentionBlock"), (autoencoder_kl_wan, "WanAttentionBlock")),
     "self_padding_convs": ((autoencoder_kl_qwenimage, "QwenImageCausalConv3d"),
-                           (autoencoder_kl_qwenimage21, "QwenImage21CausalConv3d")),
+                           (autoencoder_kl_qwenimage21, "QwenImage21CausalConv3d"),
+                           (autoencoder_kl_wan, "WanCausalConv3d")),
     "bottom_padded_downsample": ((downsampling, "Downsample2D"),),
     "row_local": ((autoencoder_kl_qwenimage, "QwenImageRMS_norm"), (autoencoder_kl_qwenimage21, "QwenImage21RMS_norm"),
                   (autoencoder_kl_qwenimage, "QwenImageUpsample"), (autoencoder_kl_qwenimage21, "QwenImage21Upsample"),
                   (autoencoder_kl_qwenimage21, "QwenImage21AvgDown3D"),
-                  (autoencoder_kl_qwenimage21, "QwenImage21DupUp3D")),
+                  (autoencoder_kl_qwenimage21, "QwenImage21DupUp3D"),
+                  (autoencoder_kl_wan, "WanRMS_norm"), (autoencoder_kl_wan, "WanUpsample"),
+                  (autoencoder_kl_wan, "AvgDown3D"), (autoencoder_kl_wan, "DupUp3D")),
 }
 
 #: The posterior and output container a KL VAE's `encode` returns (neither exported).

@@ -237,12 +237,15 @@ class CFGParallelTransformer(torch.nn.Module):
 
 
 @contextmanager
-def cfg_parallel_transformer(pipe, group):
-    """`pipe.transformer` is a `CFGParallelTransformer` over the CFG pair `group` inside the block, the real model
-    again after it (so compiling, timing hooks and everything outside a generation see only the real model)."""
-    real = pipe.transformer
-    pipe.transformer = CFGParallelTransformer(real, group)
+def cfg_parallel_transformer(pipe, group, experts: tuple[str, ...] = ()):
+    """`pipe.transformer` (and each expert, e.g. Wan 2.2's `transformer_2`: a step calls one model, cond then
+    uncond) is a `CFGParallelTransformer` over the CFG pair `group` inside the block, the real model again after it
+    (so compiling, timing hooks and everything outside a generation see only the real model)."""
+    reals = {name: getattr(pipe, name) for name in ("transformer", *experts)}
+    for name, real in reals.items():
+        setattr(pipe, name, CFGParallelTransformer(real, group))
     try:
         yield pipe.transformer
     finally:
-        pipe.transformer = real
+        for name, real in reals.items():
+            setattr(pipe, name, real)

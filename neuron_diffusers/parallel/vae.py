@@ -6,9 +6,10 @@ which is what runs out of memory first at 2048x2048. `enable_parallel_vae(vae, g
 ways chosen by the VAE class:
 
 * rows (`vae_rows.py`): AutoencoderKL (FLUX.1), AutoencoderKLFlux2, AutoencoderKLQwenImage (Qwen-Image, also its
-  video frames through the causal cache) and AutoencoderKLQwenImage21: each rank runs the decoder on a band of rows,
-  with halo rows per convolution, whole-image GroupNorm statistics and the mid-block attention gathered. Equal to
-  stock within float32 rounding (per-rank peak memory about 1/N of one rank's).
+  video frames through the causal cache), AutoencoderKLQwenImage21 and AutoencoderKLWan (Wan's causal 3-D VAE):
+  each rank runs the decoder on a band of rows, with halo rows per convolution, whole-image GroupNorm statistics
+  and the mid-block attention gathered. Equal to stock within float32 rounding (per-rank peak memory about 1/N of
+  one rank's).
 * turns (`vae_turns.py`): AutoencoderKLMiniMaxH3, whose ViT decoder attends over a whole clip: the ranks deal out
   the clips and tiles stock decodes one by one. Bit-exact without spatial tiles (time, not memory, is divided).
 
@@ -34,6 +35,7 @@ STRATEGIES = {
     "AutoencoderKLQwenImage": "rows",
     "AutoencoderKLQwenImage21": "rows",
     "AutoencoderKLMiniMaxH3": "turns",
+    "AutoencoderKLWan": "rows",
 }
 #: The instance attribute that holds a VAE's handle: on the VAE itself, so a VAE dropped by its pipeline is freed
 #: (a module-level table of handles would keep every VAE alive, since each handle refers to its VAE).

@@ -140,6 +140,8 @@ class PipelineAdapter:
     buckets: tuple[int, ...] = ()
     #: Whether the pipeline takes a negative prompt (true classifier-free guidance).
     takes_negative_prompt: bool = True
+    #: Components that are further denoisers of the transformer's class, sharded like it (`Checkpoint.experts`).
+    experts: tuple[str, ...] = ()
     #: The call kwarg a job's `--guidance` sets (`None`: guidance-distilled, nothing to set).
     guidance_kwarg: str | None = "guidance_scale"
     #: Whether the pipeline itself fixes the text length (FLUX pads to `max_sequence_length`), so no bucket is needed.
@@ -363,7 +365,8 @@ class StockPipelineAdapter(PipelineAdapter):
                       helps_decode: bool = False):
         """The stock pipeline around `transformer` with no text components; the VAE only where it `decodes` or
         `helps_decode`."""
-        kwargs = {name: None for name in self.text_components}
+        # The experts (`transformer_2`) are sharded and registered by the loader, never loaded whole here.
+        kwargs = {name: None for name in (*self.text_components, *checkpoint.experts)}
         holds_vae = decodes or helps_decode
         if not holds_vae:
             kwargs["vae"] = checkpoint.meta("vae")

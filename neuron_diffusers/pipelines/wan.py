@@ -26,6 +26,8 @@ class WanAdapter(StockPipelineAdapter):
     pipeline_class = "WanPipeline"
     batch_refusal = "Wan's call here returns one clip; batching videos is not supported yet: use batch_size=1"
     static_text_length = True
+    #: Wan 2.2 A14B's low-noise expert (below the pipeline's `boundary_ratio`), the same class as `transformer`.
+    experts = ("transformer_2",)
     cp_text = "fixed"
     text_components = ("text_encoder", "tokenizer")
     # `guidance_scale` decides whether the pipeline reads negative embeddings, so the encoding must know it.

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from ..distributed import wait_keys
 from .channel import PREFIX
 
 #: Seconds between two heartbeats (and two looks at the others').
@@ -93,11 +94,7 @@ class Liveness:
         return together
 
     def _wait_for(self, keys: list[str], deadline: float) -> bool:
-        while not self.store.check(keys):
-            if self.failure is not None or time.monotonic() > deadline:
-                return False
-            time.sleep(BEAT_S / 5)
-        return True
+        return wait_keys(self.store, keys, deadline - time.monotonic(), give_up=lambda: self.failure is not None)
 
     def _run(self) -> None:
         seen = {rank: (-1, time.monotonic()) for rank in self.watched}

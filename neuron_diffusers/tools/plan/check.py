@@ -12,15 +12,15 @@ only: a 13 B model in a second) and reads the plan through diffusers' own `resol
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ... import families, tp_plans
+from ... import families
 from ...compat.tp_loading import shard_specs
 from ...parallel import coalesce
+from ...parallel.plan_variants import is_plan_file, read_plan_file
 from ...parallel.rules import expand, expand_rule, style_kind
 from .meta import meta_transformer
 from .report import human_params, param_group
@@ -63,21 +63,14 @@ def load_plan(spec: str) -> NamedPlan:
     if families.is_family(spec):
         module = families.get(spec).plan_module
         return NamedPlan(spec, module.__name__, module.PLAN, module.MODEL_CLASS)
-    path = Path(spec)
-    if path.suffix != ".py" or not path.is_file():
+    if not is_plan_file(spec) or not Path(spec).is_file():
         names = ", ".join(f.name for f in families.FAMILIES)
         raise FileNotFoundError(
             f"Plan '{spec}' is neither a registered family ({names}) nor a plan file. Name a "
             "family, or pass a .py file that assigns `PLAN = {...}` like neuron_diffusers/tp_plans/flux.py."
         )
-    module_spec = importlib.util.spec_from_file_location(f"{tp_plans.__name__}.{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    rules = getattr(module, "PLAN", None)
-    if not isinstance(rules, dict) or not rules:
-        raise ValueError(f"{path} assigns no non-empty `PLAN` dict: a plan file maps module-path globs to styles, "
-                         "e.g. `PLAN = {\"transformer_blocks.*.attn.to_q\": \"colwise\", ...}`.")
-    return NamedPlan(path.stem, str(path), rules, getattr(module, "MODEL_CLASS", None))
+    plan = read_plan_file(spec)
+    return NamedPlan(plan.path.stem, str(plan.path), plan.rules, plan.model_class)
 
 
 _PACKED_HINT = (" Packed blocks are the proportions of the fused parts along the split dimension, in order: [1, 1] "
