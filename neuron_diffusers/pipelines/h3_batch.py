@@ -15,7 +15,8 @@ So a batch runs the stock blocks as they are, on their own inputs:
 3. `after`: the stock unpacking, once per request, on its own rows.
 
 Each request's latents then equal the request made alone up to float rounding (tests/test_batching.py). The cost:
-attention runs over the whole pack with a dense mask, so it and the mask grow with the square of the batch's rows.
+attention runs over the whole pack with a dense mask, so it and the mask grow with the square of the batch's rows
+(a varlen attention, as the reference's `cu_seqlens`, would not: not done here, the stock processor takes a mask).
 """
 
 from __future__ import annotations
