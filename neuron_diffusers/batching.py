@@ -116,10 +116,12 @@ def check_batchable(adapter, *, image_kwargs: dict, cache, splits_vae: bool, con
     if cache is not None:
         reasons.append("a step cache takes one skip decision for the whole batch (diffusers computes it over the "
                        "batch tensor), so a batched image could differ from the image made alone")
-    if splits_vae:
+    if splits_vae and not adapter.batch_decodes_each_image:
         reasons.append("the parallel VAE splits one image's decode; a batch is not decoded across the group yet")
     if context_parallel and adapter.cp_block_causal:
         reasons.append(f"{adapter.pipeline_class}'s batches are not verified under context parallelism yet")
+    if context_parallel and adapter.cp_batch_refusal:
+        reasons.append(adapter.cp_batch_refusal)
     if reasons:
         raise ValueError("`generate` cannot batch this call (batch_size > 1): " + "; ".join(reasons) +
                          ". Generate with batch_size=1.")

@@ -583,9 +583,10 @@ def call_kwargs(request: Request, adapter) -> dict:
 def batch_key(item: tuple[Request, bool], adapter, splits_vae=lambda height, width: False):
     """What requests must share to be made in one stock call (`--batch-size`): the call's kwargs (size, steps,
     guidance), CFG pairing, a negative prompt or none; None (made alone): image inputs, or a size the parallel VAE
-    splits."""
+    splits (unless the adapter decodes a batch's images one by one, `batch_decodes_each_image`)."""
     request, with_partner = item
-    if request.images or request.mask is not None or splits_vae(request.height, request.width):
+    splits = splits_vae(request.height, request.width) and not adapter.batch_decodes_each_image
+    if request.images or request.mask is not None or splits:
         return None
     return (with_partner, request.negative_prompt is None, tuple(sorted(call_kwargs(request, adapter).items())))
 

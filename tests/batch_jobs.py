@@ -15,8 +15,18 @@ PROMPTS = ["a red fox in the snow",
 SEED = 7
 
 
+def _array(output):
+    """An output as float32 numpy: latents (a tensor, or MiniMax-H3's dict of video and audio latents), or
+    MiniMax-H3's decoded clip (its frames and audio)."""
+    if hasattr(output, "frames"):
+        return {"frames": output.frames.float().numpy(), "audio": output.audio.float().numpy()}
+    if isinstance(output, dict):
+        return {name: value.float().numpy() for name, value in output.items()}
+    return output.float().numpy()
+
+
 def _latents(outputs):
-    return None if outputs is None else [output.float().numpy() for output in outputs]
+    return None if outputs is None else [_array(output) for output in outputs]
 
 
 def _counting(pipe):
@@ -26,11 +36,12 @@ def _counting(pipe):
     return calls, transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
 
 
-def alone_and_batched(pipe, call: dict, negative: str | None = None, prompts=None) -> dict:
+def alone_and_batched(pipe, call: dict, negative: str | None = None, prompts=None, decoded: bool = False) -> dict:
     """Each prompt made alone (seed + i), the same prompts in one `generate(batch_size=len)`, and a control (prompt 0
-    with another seed), all as latents; the transformer forwards of the alone and the batched calls."""
+    with another seed), all as latents (or `decoded`); the transformer forwards of the alone and the batched calls."""
     prompts = PROMPTS if prompts is None else prompts
-    call = {**call, "output_type": "latent", **({} if negative is None else {"negative_prompt": negative})}
+    call = {**call, **({} if decoded else {"output_type": "latent"}),
+            **({} if negative is None else {"negative_prompt": negative})}
     calls, handle = _counting(pipe)
     try:
         alone = [pipe.generate(prompt, seed=SEED + index, **call) for index, prompt in enumerate(prompts)]
@@ -67,8 +78,8 @@ def _argument_refusals(pipe, call: dict, checkpoint, mesh) -> dict:
 
 
 def batch_tp2_job(checkpoints: dict, calls: dict) -> dict:
-    """At TP=2, per family: alone vs batched (`<family>`), or for a family that cannot batch the refusal
-    (`<family>/refused`); and the argument checks (`arguments`)."""
+    """At TP=2, per family: alone vs batched (`<family>`); the argument checks (`arguments`); MiniMax-H3's clips
+    decoded (`h3/decoded`, under its default parallel VAE) and its batch refused under Ulysses=2 (`h3/ulysses`)."""
     import gc
 
     from rank_cases import CaseError, one_thread, record
@@ -82,16 +93,30 @@ def batch_tp2_job(checkpoints: dict, calls: dict) -> dict:
             pipe = record(report, family, nd.load_pipeline, checkpoint, mesh)
             if isinstance(pipe, CaseError):
                 continue
-            if pipe.adapter.batch_refusal:
-                record(report, f"{family}/refused", _refusal, pipe.generate, PROMPTS, batch_size=3, **calls[family])
-                report[family] = None
-            else:
-                record(report, family, alone_and_batched, pipe, calls[family])
+            record(report, family, alone_and_batched, pipe, calls[family])
+            if family == "h3":
+                record(report, "h3/decoded", _decoded, pipe, calls[family])
             if family == "flux":
                 record(report, "arguments", _argument_refusals, pipe, calls[family], checkpoint, mesh)
             del pipe
             gc.collect()
+        if "h3" in checkpoints:
+            record(report, "h3/ulysses", _context_parallel_refusal, checkpoints["h3"], calls["h3"])
     return report
+
+
+def _decoded(pipe, call: dict) -> dict:
+    """MiniMax-H3's clips decoded (frames and audio), alone vs batched, and whether the parallel VAE split them."""
+    made = alone_and_batched(pipe, call, decoded=True)
+    return {**made, "parallel_vae": pipe.parallel_vae is not None and pipe.parallel_vae.enabled}
+
+
+def _context_parallel_refusal(checkpoint, call: dict) -> str:
+    """What a batch of MiniMax-H3 on a Ulysses=2 mesh is told (its block-diagonal mask is not verified there)."""
+    import neuron_diffusers as nd
+
+    pipe = nd.load_pipeline(checkpoint, nd.init_distributed(ulysses=2))
+    return _refusal(pipe.generate, PROMPTS, batch_size=3, **call)
 
 
 def batch_4_ranks_job(cfg_checkpoint, cfg_call: dict, cp_checkpoint, cp_call: dict) -> dict:
@@ -121,29 +146,41 @@ COMPILED_BATCHES = [[PROMPTS[0]], [PROMPTS[0], PROMPTS[1]], [PROMPTS[1], PROMPTS
                     [PROMPTS[2], PROMPTS[1], PROMPTS[0], PROMPTS[1]]]
 
 
-def batch_compile_job(checkpoint, call: dict, backend: str = "aot_eager") -> dict:
-    """`load_pipeline(batch_sizes=(1, 2, 4), buckets=(64, 128))`, compiled and warmed up (a recompile raises), then
-    `COMPILED_BATCHES`: graphs, recompiles and graph breaks counted from the job's start (dynamo reset first)."""
+def batch_compile_job(checkpoints: dict, calls: dict, buckets: dict, backend: str = "aot_eager") -> dict:
+    """Per family (a case each): `load_pipeline(batch_sizes=(1, 2, 4), buckets=...)`, compiled and warmed up (a
+    recompile raises), then `COMPILED_BATCHES`: graphs, recompiles and graph breaks counted from the family's start
+    (dynamo reset first)."""
+    from rank_cases import one_thread, record
+
+    import neuron_diffusers as nd
+
+    report = {}
+    with one_thread():
+        mesh = nd.init_distributed(tp=2)
+        for family, checkpoint in checkpoints.items():
+            record(report, family, _compiled_batches, mesh, checkpoint, calls[family], buckets[family], backend)
+    return report
+
+
+def _compiled_batches(mesh, checkpoint, call: dict, buckets: tuple, backend: str) -> dict:
     import torch
-    from rank_cases import one_thread
 
     import neuron_diffusers as nd
     from neuron_diffusers.compile import compile_repeated_blocks, compile_report, warmup
 
-    with one_thread():
-        torch._dynamo.reset()
-        start = compile_report()
-        pipe = nd.load_pipeline(checkpoint, nd.init_distributed(tp=2), buckets=(64, 128), batch_sizes=(1, 2, 4))
-        compile_repeated_blocks(pipe, backend=backend)
-        sizes = [(call["height"], call["width"])]
-        steps = {k: v for k, v in call.items() if k not in ("height", "width")}
-        guard = warmup(pipe, sizes, on_recompile="raise", **steps)
-        try:
-            warm = compile_report()
-            made = [pipe.generate(batch, seed=SEED, output_type="latent", **call) for batch in COMPILED_BATCHES]
-        finally:
-            guard.remove()
-        after = compile_report()
+    torch._dynamo.reset()
+    start = compile_report()
+    pipe = nd.load_pipeline(checkpoint, mesh, buckets=buckets, batch_sizes=(1, 2, 4))
+    compile_repeated_blocks(pipe, backend=backend)
+    sizes = [(call["height"], call["width"])]
+    steps = {k: v for k, v in call.items() if k not in ("height", "width")}
+    guard = warmup(pipe, sizes, on_recompile="raise", **steps)
+    try:
+        warm = compile_report()
+        made = [pipe.generate(batch, seed=SEED, output_type="latent", **call) for batch in COMPILED_BATCHES]
+    finally:
+        guard.remove()
+    after = compile_report()
     return {"graphs_after_warmup": warm["graphs"] - start["graphs"], "new_graphs": after["graphs"] - warm["graphs"],
             "new_recompiles": after["recompiles"] - warm["recompiles"],
             "graph_breaks": after["graph_breaks"] - start["graph_breaks"],

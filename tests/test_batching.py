@@ -2,7 +2,8 @@
 
 For every family at TP=2, three prompts of different lengths batched give, image by image, the latents of the same
 prompt made alone (its seed `seed + i`) within 1e-5 (float32), while another seed moves them by more (the control);
-the batch shares its transformer forwards. Then true CFG on a CFG pair (Qwen-Image) and TP=2 x Ulysses=2 (FLUX.1).
+the batch shares its transformer forwards. MiniMax-H3's latents are its video and audio latents, each compared.
+Then true CFG on a CFG pair (Qwen-Image) and TP=2 x Ulysses=2 (FLUX.1).
 One job per world size on the session's rank pool (`batch_jobs.py`), its cases recorded one by one.
 """
 
@@ -15,10 +16,11 @@ from neuron_diffusers import tiny
 from neuron_diffusers.batching import check_batch_sizes, padded_count, resolve_batch_size, split, stack_rows
 
 #: Max abs difference between a batched image's latents and the image made alone. A batch only changes the row count
-#: of each matmul (and the masked padding of shorter texts): measured 2.4e-7 to 4.8e-7 at TP=2, 1.4e-6 with true CFG
-#: on a CFG pair (Qwen-Image); another seed moves them by 3.5 to 4.8.
+#: of each matmul (and the masked padding of shorter texts; MiniMax-H3: the block-diagonal mask over its packed
+#: requests): measured 2.4e-7 to 4.8e-7 at TP=2, 1.4e-6 with true CFG on a CFG pair (Qwen-Image); another seed
+#: moves them by 3.5 to 6.1.
 TOLERANCE = 1e-5
-FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21", "h3")  # the five families; Wan refuses like H3
+FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21", "h3")  # the five families; Wan refuses
 #: Stock calls a batch of `batch_jobs.PROMPTS` takes: one, or (Qwen-Image-2.1) one per text length, two here.
 CALLS = {"qwenimage21": 2}
 
@@ -30,6 +32,13 @@ def tp2_reports(tiny_checkpoint, rank_pool):
     return rank_pool.run(batch_jobs.batch_tp2_job, 2, checkpoints, calls, timeout_s=900)
 
 
+def forwards_per_call(family: str) -> int:
+    """Transformer forwards of one call of `tiny.smallest_call`: its steps (the stock MiniMaxH3Scheduler counts the
+    terminal sigma as a step, tiny/h3.py: one fewer)."""
+    steps = tiny.smallest_call(family)["num_inference_steps"]
+    return steps - 1 if family == "h3" else steps
+
+
 @pytest.fixture(scope="module")
 def four_rank_reports(tiny_checkpoint, rank_pool):
     return rank_pool.run(batch_jobs.batch_4_ranks_job, 4, tiny_checkpoint("qwenimage"),
@@ -37,42 +46,55 @@ def four_rank_reports(tiny_checkpoint, rank_pool):
                          timeout_s=900)
 
 
+def parts(latents) -> dict:
+    """An image's latents by name: one array, or MiniMax-H3's video and audio latents (or decoded frames and
+    audio)."""
+    return latents if isinstance(latents, dict) else {"latents": latents}
+
+
 def assert_each_image_alone(made: dict, what: str) -> None:
-    """Batched latents equal each image made alone, within `TOLERANCE`; another seed moves image 0 by more."""
-    moved = float(np.abs(made["control"][0] - made["alone"][0]).max())
-    assert moved > TOLERANCE, f"{what}: another seed moves the latents by only {moved:.1e}: blind"
+    """Batched latents (each part of them) equal each image made alone, within `TOLERANCE`; another seed moves
+    image 0 by more."""
+    for part, control in parts(made["control"][0]).items():
+        moved = float(np.abs(control - parts(made["alone"][0])[part]).max())
+        assert moved > TOLERANCE, f"{what}: another seed moves the {part} by only {moved:.1e}: blind"
     assert len(made["batched"]) == len(made["alone"]) == len(batch_jobs.PROMPTS)
     for index, (batched, alone) in enumerate(zip(made["batched"], made["alone"], strict=True)):
-        assert batched.shape == alone.shape
-        difference = float(np.abs(batched - alone).max())
-        assert difference < TOLERANCE, f"{what}: image {index} differs from the image made alone by {difference:.1e}"
+        assert parts(batched).keys() == parts(alone).keys()
+        for part, expected in parts(alone).items():
+            assert parts(batched)[part].shape == expected.shape
+            difference = float(np.abs(parts(batched)[part] - expected).max())
+            assert difference < TOLERANCE, (f"{what}: image {index}'s {part} differ from the image made alone by "
+                                            f"{difference:.1e}")
 
 
-def batching_families():
-    from neuron_diffusers.families import get
-
-    return [family for family in FAMILIES if get(family).adapter().batch_refusal is None]
-
-
-@pytest.mark.parametrize("family", batching_families())
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_batch_of_three_lengths_equals_each_image_alone(tp2_reports, family):
     leader, other = case(tp2_reports, family)
     assert other["batched"] is None and other["alone"] is None, "only the TP leader returns images"
     assert_each_image_alone(leader, family)
 
 
-@pytest.mark.parametrize("family", batching_families())
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_batch_shares_its_transformer_forwards(tp2_reports, family):
     leader, other = case(tp2_reports, family)
-    steps = tiny.smallest_call(family)["num_inference_steps"]
-    assert leader["forwards_alone"] == other["forwards_alone"] == 3 * steps
-    assert leader["forwards_batched"] == other["forwards_batched"] == CALLS.get(family, 1) * steps
+    forwards = forwards_per_call(family)
+    assert leader["forwards_alone"] == other["forwards_alone"] == 3 * forwards
+    assert leader["forwards_batched"] == other["forwards_batched"] == CALLS.get(family, 1) * forwards
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in batching_families()])
-def test_a_family_that_cannot_batch_refuses_on_every_rank(tp2_reports, family):
-    refusals = case(tp2_reports, f"{family}/refused")
-    assert refusals[0] == refusals[1] and "batch_size=1" in refusals[0], refusals
+def test_h3_decoded_batch_under_the_parallel_vae_equals_each_clip_alone(tp2_reports):
+    leader, other = case(tp2_reports, "h3/decoded")
+    assert leader["parallel_vae"] and other["parallel_vae"], "the parallel VAE split none of the decodes: blind"
+    assert other["batched"] is None and other["alone"] is None, "only the TP leader returns clips"
+    assert_each_image_alone(leader, "h3 decoded under the parallel VAE")
+
+
+def test_h3_batch_is_refused_under_context_parallelism_on_every_rank(tp2_reports):
+    refusals = case(tp2_reports, "h3/ulysses")
+    assert refusals[0] == refusals[1], refusals
+    assert "block-diagonal attention mask, which is not verified under context parallelism" in refusals[0]
+    assert "Generate with batch_size=1" in refusals[0]
 
 
 def test_bad_batch_arguments_are_refused_with_the_fix(tp2_reports):
@@ -117,14 +139,22 @@ def test_rows_of_different_lengths_stack_right_padded_and_masked():
     assert stacked["prompt_embeds"][0, 2:].abs().sum() == 0
 
 
+#: The compiled families and their buckets: Qwen-Image's prompts span two; MiniMax-H3's one (its text is 6 and
+#: 114 rows: still two lengths a batch pads to one), which halves its warm-up's graphs (a minute at 2 CPU ranks).
+COMPILED_BUCKETS = {"qwenimage": (64, 128), "h3": (128,)}
+
+
 @pytest.fixture(scope="module")
-def compiled_report(tiny_checkpoint, rank_pool):
-    return rank_pool.run(batch_jobs.batch_compile_job, 2, tiny_checkpoint("qwenimage"),
-                         tiny.smallest_call("qwenimage"), timeout_s=900)
+def compiled_reports(tiny_checkpoint, rank_pool):
+    return rank_pool.run(batch_jobs.batch_compile_job, 2,
+                         {family: tiny_checkpoint(family) for family in COMPILED_BUCKETS},
+                         {family: tiny.smallest_call(family) for family in COMPILED_BUCKETS}, COMPILED_BUCKETS,
+                         timeout_s=900)
 
 
-def test_compiled_batches_of_one_to_four_compile_nothing_after_warmup(compiled_report):
-    leader, other = compiled_report
+@pytest.mark.parametrize("family", COMPILED_BUCKETS)
+def test_compiled_batches_of_one_to_four_compile_nothing_after_warmup(compiled_reports, family):
+    leader, other = case(compiled_reports, family)
     assert leader["images"] == [1, 2, 3, 4] and other["images"] is None
     for report in (leader, other):
         assert report["graphs_after_warmup"] > 0, "nothing was compiled: the check is blind"
@@ -197,9 +227,22 @@ def test_a_failing_batch_names_its_images_on_every_rank(job_reports):
     assert "injected failure" in messages[0]
 
 
+def test_job_packs_mini_max_h3_under_the_parallel_vae_only():
+    """A size the parallel VAE splits is made alone, except for MiniMax-H3, whose batch decodes each clip alone (its
+    decoded batch under the parallel VAE is tested above)."""
+    from neuron_diffusers.families import get
+    from neuron_diffusers.job import Request, batch_key
+
+    request = Request(index=0, prompt="a fox", negative_prompt=None, seed=0, height=32, width=32, steps=3,
+                      guidance=None)
+    splits = lambda height, width: True  # noqa: E731
+    assert batch_key((request, False), get("h3").adapter(), splits) is not None
+    assert batch_key((request, False), get("flux").adapter(), splits) is None
+
+
 def test_job_batch_size_is_refused_where_a_call_cannot_batch(generate_refuses):
-    generate_refuses(["--model", "h3", "--prompt", "a fox", "--batch-size", "2"],
-                     "--batch-size 2: MiniMax-H3 packs one request into one sequence")
+    generate_refuses(["--model", "wan", "--prompt", "a fox", "--batch-size", "2"],
+                     "--batch-size 2: Wan's call here returns one clip")
     generate_refuses(["--model", "flux", "--prompt", "a fox", "--batch-size", "2", "--cache", "first-block:0.1"],
                      "--batch-size 2: a step cache takes one skip decision for a whole batch")
 

@@ -11,22 +11,27 @@ with `cu_seqlens`) so that the main blocks run at one shape per text-length buck
 padding, which no output reads. The small token refiner runs at the prompt's own length, so only the main blocks
 are compiled (`compiled_blocks`). Under context parallelism the padded total is rounded up to a multiple of the
 degree, so plain Ulysses splits it evenly whatever the prompt. H3 is guidance-distilled: no negative prompt.
+
+A batch (`generate(batch_size=...)`) packs its requests into one sequence, each its own attention document
+(`h3_batch`), and decodes each clip alone.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import diffusers
 import torch
 from diffusers import ModularPipeline
-from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TokenRefinerBlock, MiniMaxH3TransformerBlock
 from diffusers.modular_pipelines import SequentialPipelineBlocks
 
 from ..media import VideoWithAudio, read_video_text, save_video
 from .base import PipelineAdapter, bucket_for
+from .h3_batch import DenoisePieces, denoise_batch, denoise_pieces, unstack
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
@@ -41,9 +46,22 @@ class H3Pipelines:
 
     denoiser: object
     decoder: object | None
+    path: str = ""  # the checkpoint's folder, where a batch's pipelines read their configs
+    _pieces: DenoisePieces | None = None
+    _progress: dict = field(default_factory=dict)
 
     def set_progress_bar_config(self, **kwargs) -> None:
         self.denoiser.set_progress_bar_config(**kwargs)
+        self._progress = kwargs
+        if self._pieces is not None:
+            self._pieces.loop.set_progress_bar_config(**kwargs)
+
+    def pieces(self) -> DenoisePieces:
+        """The denoiser's blocks split around its loop, for batches (`h3_batch`), built on first use."""
+        if self._pieces is None:
+            self._pieces = denoise_pieces(self.denoiser, self.path)
+            self._pieces.loop.set_progress_bar_config(**self._progress)
+        return self._pieces
 
 
 class PackedSequencePadding:
@@ -53,34 +71,59 @@ class PackedSequencePadding:
     timestep index 0: valid table entries, never read) to the layout tensors, and more up to a multiple of
     `multiple` (the context-parallel degree); a pre-hook on every main block hands it the matching key mask.
     `buckets = ()` and `multiple = 1` turn padding off.
+
+    In a `batch` (several requests packed one after another, `h3_batch`), each request's text is padded to the
+    bucket of the batch's longest, so a batch's shape depends only on its size and that bucket (what warm-up
+    compiles), and the mask is block-diagonal: each request, and the padding, is its own attention document; the
+    token refiner's attention gets the same over the texts.
     """
 
     def __init__(self, transformer: torch.nn.Module):
         self.buckets: tuple[int, ...] = ()
         self.multiple = 1
-        self._key_mask = None
+        self._segments: list[tuple[int, int]] = []  # a batch's (text rows, packed rows) per request, in order
+        self._key_mask = self._text_mask = None
         # Torch pre-hooks, compiler-disabled and shared by every block, so the compiled blocks keep one graph.
         self._handles = [transformer.register_forward_pre_hook(self._pad_layout, with_kwargs=True)]
         for module in transformer.modules():
             if isinstance(module, MiniMaxH3TransformerBlock):  # the blocks `compiled_blocks` names
                 self._handles.append(module.register_forward_pre_hook(self._mask_keys, with_kwargs=True))
+            elif isinstance(module, MiniMaxH3TokenRefinerBlock):  # self-attention over the text alone
+                self._handles.append(module.attn.register_forward_pre_hook(self._mask_text, with_kwargs=True))
+
+    @contextmanager
+    def batch(self, segments: list[tuple[int, int]]):
+        """Within: the transformer's packed sequence is `segments`' requests one after another."""
+        self._segments = list(segments)
+        try:
+            yield
+        finally:
+            self._segments = []
 
     @torch.compiler.disable  # layout bookkeeping before the compiled blocks, not part of them
     def _pad_layout(self, module, args, kwargs):
-        self._key_mask = None
-        if not self.buckets and self.multiple == 1:
+        self._key_mask = self._text_mask = None
+        texts = [text for text, _ in self._segments] or [kwargs["text_indices"].numel()]
+        if len(texts) == 1 and not self.buckets and self.multiple == 1:
             return None
-        text_rows = kwargs["text_indices"].numel()
-        extra = bucket_for(self.buckets, text_rows, "MiniMax-H3") - text_rows if self.buckets else 0
         rows = kwargs["position_ids"].shape[0]
+        if self._segments and (sum(texts) != kwargs["text_indices"].numel()
+                               or sum(packed for _, packed in self._segments) != rows):
+            raise RuntimeError(f"A MiniMax-H3 batch of {self._segments} (text rows, packed rows) met a packed "
+                               f"sequence of {rows} rows with {kwargs['text_indices'].numel()} text rows.")
+        extra = len(texts) * bucket_for(self.buckets, max(texts), "MiniMax-H3") - sum(texts) if self.buckets else 0
         extra += -(rows + extra) % self.multiple
         kwargs["position_ids"] = torch.cat([kwargs["position_ids"], kwargs["position_ids"].new_zeros(extra, 3)])
         kwargs["token_tags"] = torch.cat([kwargs["token_tags"], kwargs["token_tags"].new_full((extra,), _TEXT_TAG)])
         kwargs["timestep_indices"] = torch.cat(
             [kwargs["timestep_indices"], kwargs["timestep_indices"].new_zeros(extra)]
         )
-        valid = torch.arange(rows + extra, device=kwargs["position_ids"].device) < rows
-        self._key_mask = valid.view(1, 1, 1, -1)
+        device = kwargs["position_ids"].device
+        if len(texts) == 1:
+            self._key_mask = (torch.arange(rows + extra, device=device) < rows).view(1, 1, 1, -1)
+        else:
+            self._key_mask = _documents([packed for _, packed in self._segments] + [extra], device)
+            self._text_mask = _documents(texts, device)
         return args, kwargs
 
     @torch.compiler.disable
@@ -88,6 +131,19 @@ class PackedSequencePadding:
         if self._key_mask is None:
             return None
         return args, {**kwargs, "attention_mask": self._key_mask}
+
+    @torch.compiler.disable
+    def _mask_text(self, module, args, kwargs):
+        if self._text_mask is None:
+            return None
+        return args, {**kwargs, "attention_mask": self._text_mask}
+
+
+def _documents(lengths: list[int], device) -> torch.Tensor:
+    """A block-diagonal attention mask, `(1, 1, rows, rows)`: each run of `lengths` rows attends only within itself
+    (a padding run too, so no row is left without a key: its softmax would be NaN, and 0 x NaN is NaN)."""
+    document = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    return (document[:, None] == document[None, :]).view(1, 1, document.numel(), -1)
 
 
 class MiniMaxH3Adapter(PipelineAdapter):
@@ -99,8 +155,15 @@ class MiniMaxH3Adapter(PipelineAdapter):
     compiled_blocks = ("MiniMaxH3TransformerBlock",)
     output_suffix = ".mp4"
     stock_output_kwargs = {"output": "videos"}
-    batch_refusal = ("MiniMax-H3 packs one request into one sequence (its transformer has no batch dimension), so "
-                     "it makes one clip per call; generate with batch_size=1")
+    #: A batch packs its requests into one sequence, each its own attention document (`h3_batch`).
+    batch_refusal = None
+    cp_batch_refusal = ("MiniMax-H3 packs a batch into one sequence with a block-diagonal attention mask, which "
+                        "is not verified under context parallelism")
+    #: Each request of a batch is decoded alone (`_output`), in the same order on every rank: the parallel VAE
+    #: splits each decode as it splits a clip made alone.
+    batch_decodes_each_image = True
+    #: `output_type="latent"`: the denoised latents (video and audio), undecoded; omitted: the decoded clip.
+    output_types = ("latent",)
 
     def load_encoder(self, checkpoint: Checkpoint, torch_dtype):
         return _load(_sub_pipeline(checkpoint, "text_encoder"), checkpoint, torch_dtype)
@@ -135,7 +198,7 @@ class MiniMaxH3Adapter(PipelineAdapter):
             blocks = "decode" if decodes else "decode.video"
             decoder = _load(_sub_pipeline(checkpoint, blocks), checkpoint, torch_dtype)
             decoder.to(device)
-        return H3Pipelines(denoiser, decoder)
+        return H3Pipelines(denoiser, decoder, str(checkpoint.path))
 
     def size_multiple(self, checkpoint: Checkpoint) -> int:
         """The pipeline's `canvas_multiple`: the VAE's spatial compression times the transformer's patch width."""
@@ -167,20 +230,34 @@ class MiniMaxH3Adapter(PipelineAdapter):
         return encoder(prompt=prompt, output=["prompt_embeds", "text_token_tags"])
 
     def __call__(self, pipes: H3Pipelines, embeds, *, generator, decodes: bool, check, buckets=(),
-                 helps_decode: bool = False, **kwargs):
+                 helps_decode: bool = False, output_type: str | None = None, **kwargs):
         """Denoise on every rank (packed sequence padded to `buckets`); decode video and audio on the decoding rank,
-        the video also on the ranks that `helps_decode` (parallel VAE), which drop it."""
+        the video also on the ranks that `helps_decode` (parallel VAE), which drop it. With a list of generators, a
+        batch (`h3_batch`): the list of its outputs. `output_type="latent"`: the denoised `latents` and
+        `audio_latents` (a dict), undecoded."""
         pipes.denoiser.sequence_padding.buckets = tuple(buckets)
         handle = pipes.denoiser.transformer.register_forward_pre_hook(check.pre_hook, with_kwargs=True)
         try:
-            latents = pipes.denoiser(**embeds, generator=generator, output=["latents", "audio_latents"], **kwargs)
+            if isinstance(generator, list):
+                made = denoise_batch(pipes.pieces(), pipes.denoiser.sequence_padding, unstack(embeds, len(generator)),
+                                     generator, kwargs)
+            else:
+                made = [pipes.denoiser(**embeds, generator=generator, output=["latents", "audio_latents"], **kwargs)]
         finally:
             handle.remove()
-        check.check([latents["latents"], latents["audio_latents"]], "the last step")
+        check.check([one[name] for one in made for name in ("latents", "audio_latents")], "the last step")
+        outputs = [self._output(pipes, one, decodes, helps_decode and output_type != "latent", output_type)
+                   for one in made]
+        return outputs if isinstance(generator, list) else outputs[0]
+
+    def _output(self, pipes: H3Pipelines, latents: dict, decodes: bool, helps_decode: bool, output_type):
+        """One request's output from its denoised latents (None where this rank keeps none)."""
         if not decodes:
             if helps_decode:
                 pipes.decoder(latents=latents["latents"], output_type="pt", output=["videos"])
             return None
+        if output_type == "latent":
+            return latents
         decoded = pipes.decoder(**latents, output_type="pt", output=["videos", "audio", "sampling_rate"])
         return VideoWithAudio(
             frames=decoded["videos"][0].float().cpu(),
