@@ -5,8 +5,9 @@ Every rank of the replica reads the same task and makes the same `generate` call
 `generate` applies as it is: the entry handshake, every argument checked on every rank, and a failure on one rank
 (the leader encodes and decodes) raised alike on all of them. A bad request therefore fails on the whole replica
 and the replica goes on with the next one; in a batch of requests (`--max-batch`) its batch-mates are then made
-again one by one, so they get their images and it its error (`make`). Only a lost peer (`torch.distributed.DistError`) ends the loop: the
-process group is then unusable, and the server must exit (non-zero) rather than answer wrongly.
+again one by one, so they get their images and it its error (`make`). Only a lost peer
+(`torch.distributed.DistError`) ends the loop: the process group is then unusable, and the server must exit
+(non-zero) rather than answer wrongly.
 """
 
 from __future__ import annotations
