@@ -96,6 +96,20 @@ def test_max_batch_is_refused_where_a_call_cannot_batch(capsys):
     assert "must be a number of at least 0" in capsys.readouterr().err
 
 
+def test_a_compiled_server_declares_its_batch_shapes():
+    """Static shapes: with --compile, --max-batch N declares 1, 2, 4, ..., N (what `load_pipeline` pads a short batch
+    up to and `warmup` compiles); without it, none (a batch runs at its own size)."""
+    from neuron_diffusers.cli import _parser
+    from neuron_diffusers.serve.command import plan_server
+
+    def planned(*argv: str):
+        return plan_server(_parser().parse_args(["serve", "--sizes", "32x32", "--max-batch", "6", *argv]), 1, "cpu")
+
+    compiled = planned("--compile", "aot_eager")
+    assert compiled.launch.batch_sizes == (1, 2, 4, 6) and compiled.max_batch == 6
+    assert planned().launch.batch_sizes is None
+
+
 def _job(rank_pool, folder, lines: list[dict], *argv: str) -> dict:
     """`generate --prompts` (one .jsonl line per dict) at TP=2 on the pool's 2 ranks: each image's pixels in line
     order, and the images per call each was made in."""
