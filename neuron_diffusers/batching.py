@@ -26,20 +26,40 @@ import torch.nn.functional as F
 from .pipelines.base import check_seeds
 
 
+def batch_refusal(adapter, cache, context_parallel: bool) -> str | None:
+    """Why a pipeline cannot make several images per stock call, whatever the call (None: it can): the one rule
+    `load_pipeline(batch_sizes=...)`, the shared `--batch-size` / `--max-batch` option (`launch.plan_launch`) and
+    `generate` (`check_batchable`) refuse by, before anything runs."""
+    if adapter.batch_refusal:
+        return adapter.batch_refusal
+    if cache is not None:
+        return ("a step cache takes one skip decision for a whole batch (diffusers computes it over the batch "
+                "tensor), so a batched image could differ from the image made alone")
+    if context_parallel and adapter.cp_block_causal:
+        return f"{adapter.pipeline_class}'s batches are not verified under context parallelism yet"
+    if context_parallel and adapter.cp_batch_refusal:
+        return adapter.cp_batch_refusal
+    return None
+
+
+def is_positive_int(value) -> bool:
+    """The one positive-integer rule of batch arguments: an int (not a bool) of at least 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_batch_sizes(batch_sizes, spec=None) -> tuple[int, ...] | None:
     """`load_pipeline(batch_sizes=...)`: None (any batch runs at its own size) or positive integers, sorted; a size
-    above 1 refused (before any weight is read) where `spec`'s pipeline cannot batch (its adapter, a step cache)."""
+    above 1 refused (before any weight is read) where `spec`'s pipeline cannot batch (`batch_refusal`)."""
     if batch_sizes is None:
         return None
     sizes = tuple(batch_sizes) if isinstance(batch_sizes, (list, tuple)) else None
-    if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+    if not sizes or not all(is_positive_int(size) for size in sizes):
         raise ValueError(f"`batch_sizes` must be a non-empty list of positive integers (the batch shapes a compiled "
                          f"pipeline declares, e.g. (1, 2, 4)), got {batch_sizes!r:.80}.")
-    if spec is not None and max(sizes) > 1:
-        why = spec.checkpoint.adapter.batch_refusal or (
-            "a step cache takes one skip decision for a whole batch" if spec.cache is not None else None)
-        if why:
-            raise ValueError(f"`batch_sizes={sizes}`: {why}. Leave `batch_sizes` out.")
+    why = None if spec is None or max(sizes) == 1 else batch_refusal(spec.checkpoint.adapter, spec.cache,
+                                                                     spec.ulysses * spec.ring > 1)
+    if why:
+        raise ValueError(f"`batch_sizes={sizes}`: {why}. Leave `batch_sizes` out.")
     return tuple(sorted(set(sizes)))
 
 
@@ -48,7 +68,7 @@ def resolve_batch_size(batch_size, declared: tuple[int, ...] | None) -> int:
     declared size (a longer batch is split)."""
     if batch_size is None:
         return declared[-1] if declared else 1
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+    if not is_positive_int(batch_size):
         raise ValueError(f"`batch_size` must be a positive integer (images per stock pipeline call), got "
                          f"{batch_size!r:.40}.")
     return min(batch_size, declared[-1]) if declared else batch_size
@@ -107,21 +127,14 @@ def seeds_for(seed, count: int) -> list[int]:
 
 
 def check_batchable(adapter, *, image_kwargs: dict, cache, splits_vae: bool, context_parallel: bool) -> None:
-    """Refuse, before anything runs, a batch of more than one image where this path is not shown exact."""
-    reasons = []
-    if adapter.batch_refusal:
-        reasons.append(adapter.batch_refusal)
+    """Refuse, before anything runs, a batch of more than one image where this path is not shown exact: what refuses
+    any batch of this pipeline (`batch_refusal`), and what refuses this call's."""
+    reasons = [batch_refusal(adapter, cache, context_parallel)]
     if image_kwargs:
         reasons.append("image inputs (image, mask_image, strength) run one image per call for now")
-    if cache is not None:
-        reasons.append("a step cache takes one skip decision for the whole batch (diffusers computes it over the "
-                       "batch tensor), so a batched image could differ from the image made alone")
     if splits_vae and not adapter.batch_decodes_each_image:
         reasons.append("the parallel VAE splits one image's decode; a batch is not decoded across the group yet")
-    if context_parallel and adapter.cp_block_causal:
-        reasons.append(f"{adapter.pipeline_class}'s batches are not verified under context parallelism yet")
-    if context_parallel and adapter.cp_batch_refusal:
-        reasons.append(adapter.cp_batch_refusal)
+    reasons = [reason for reason in reasons if reason]
     if reasons:
         raise ValueError("`generate` cannot batch this call (batch_size > 1): " + "; ".join(reasons) +
                          ". Generate with batch_size=1.")

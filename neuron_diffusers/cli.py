@@ -81,6 +81,14 @@ def positive_float(value: str) -> float:
     return number
 
 
+def non_negative_float(value: str) -> float:
+    """An argparse type: a finite number of at least 0 (e.g. milliseconds to wait, 0 for none)."""
+    number = finite_float(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of at least 0, got {value}")
+    return number
+
+
 class _Parser(argparse.ArgumentParser):
     """One line for a bad argument (what, and where the help is) instead of the whole usage block."""
 

@@ -41,7 +41,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from . import __version__
-from .batching import declared_sizes, pack
+from .batching import pack
 from .checkpoint import Checkpoint
 from .cli import finite_float, positive_float, positive_int
 from .compile import compile_repeated_blocks, compile_report, warmup
@@ -428,19 +428,7 @@ def plan_job(args, world_size: int, device_type: str) -> JobPlan:
     _check_requests(requests, launch, world_size)
     launch, true_cfg, notes = _settle_pairs(requests, launch, world_size)
     launch = dataclasses.replace(launch, parallel_vae=_parallel_vae(requests, launch))
-    launch = _batching(getattr(args, "batch_size", 1), launch)
     return _plan(args, launch, requests, true_cfg, notes, world_size)
-
-
-def _batching(batch_size: int, launch: LaunchSpec) -> LaunchSpec:
-    """`--batch-size` checked against the launch before any weight is read; compiled, the batch shapes it declares."""
-    if batch_size == 1:
-        return launch
-    adapter = launch.checkpoint.adapter
-    why = adapter.batch_refusal or ("a step cache takes one skip decision for a whole batch" if launch.cache else None)
-    if why:
-        raise ValueError(f"--batch-size {batch_size}: {why}. Leave --batch-size out (1).")
-    return dataclasses.replace(launch, batch_sizes=declared_sizes(batch_size) if launch.compile else None)
 
 
 def _check_requests(requests: list[Request], launch: LaunchSpec, world_size: int) -> None:
@@ -893,10 +881,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"refuse images larger than this many pixels (default {DEFAULT_MAX_PIXELS}, 2048 x 2048); "
                              "the model's own maximum size applies in any case")
     parser.add_argument("--steps", type=positive_int, default=4)
-    parser.add_argument("--batch-size", type=positive_int, default=1, metavar="N",
-                        help="make up to N compatible requests (same size, steps, guidance, no image inputs) per "
-                             "stock pipeline call, each image equal to the one made alone; with --compile the batch "
-                             "shapes 1, 2, 4, ..., N are declared (default 1)")
     parser.add_argument("--timeout", type=positive_float, default=600.0, help="seconds any collective may wait")
     add_launch_arguments(parser, lora_help="a LoRA (.safetensors file, a folder holding one, or a Hub id) fused into "
                                            "every rank's shard at SCALE (default 1); repeat for several. One set for "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import tiny
+from .batching import batch_refusal, declared_sizes
 from .checkpoint import Checkpoint, resolve
 from .cli import positive_int
 from .compat.tp_loading import shard_specs
@@ -85,6 +86,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, lora_type=None,
                        help="fp8 (weights and dynamic activations) or int8 (weight-only) for the transformer blocks' "
                             "Linears, each rank quantizing its own shard with the scales one process would use, per "
                             "BLOCK input columns (default 128; docs/quantization.md)")
+    group.add_argument("--batch-size", "--max-batch", type=positive_int, default=1, metavar="N",
+                       help="the most images one stock pipeline call makes: compatible requests (same size, steps, "
+                            "guidance, negative prompt or none, LoRAs; no image inputs) share a call, each image equal "
+                            "to the one made alone; with --compile the batch shapes 1, 2, 4, ..., N are declared "
+                            "(default 1)")
     group.add_argument("--cache", default=None, metavar="SPEC",
                        help="step cache with decisions shared by each TP group: first-block:THRESHOLD, "
                             "taylorseer:KEY=VALUE,... or mag:KEY=VALUE,... (diffusers' FirstBlockCacheConfig, "
@@ -292,12 +298,25 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
     runner_mode(checkpoint, checkpoint.adapter.buckets, args.ulysses, args.ring, args.cp_any_length,
                 compiled=bool(args.compile))
     quantize = check_launch_quantize(checkpoint, tp_plan, tp, getattr(args, "quantize", None))
+    batch_sizes = launch_batch_sizes(checkpoint.adapter, getattr(args, "batch_size", 1), cache,
+                                     args.ulysses * args.ring > 1, bool(args.compile))
     return LaunchSpec(checkpoint, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
                       mesh_order=args.mesh_order, cross_node=args.cross_node, cp_any_length=args.cp_any_length,
                       plan=plan_label(args.plan), tp_plan=tp_plan,
                       cache=cache, cache_text=args.cache, parallel_vae=args.parallel_vae,
                       compile=args.compile, warmup=args.warmup, dtype=default_dtype(args.dtype, device_type),
-                      loras=read_loras(checkpoint, loras), quantize=quantize)
+                      loras=read_loras(checkpoint, loras), quantize=quantize, batch_sizes=batch_sizes)
+
+
+def launch_batch_sizes(adapter, batch_size: int, cache, context_parallel: bool, compiled: bool):
+    """`--batch-size` / `--max-batch` N checked before any weight is read (`batching.batch_refusal`: the rule
+    `generate` refuses by); compiled, the batch shapes it declares (1, 2, 4, ..., N), else None."""
+    if batch_size == 1:
+        return None
+    why = batch_refusal(adapter, cache, context_parallel)
+    if why:
+        raise ValueError(f"--batch-size {batch_size}: {why}. Leave --batch-size (--max-batch) out (1).")
+    return declared_sizes(batch_size) if compiled else None
 
 
 def spec_for(model, *, torch_dtype=None, pipeline_class=None, buckets=None, loras=(), cache=None,

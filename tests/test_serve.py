@@ -205,7 +205,7 @@ def test_http_layer_answers_refuses_and_queues_in_one_process():
     replica.start()
     scheduler.start()
     for _ in range(100):  # the queued request is taken (its client is gone: it still runs, nothing breaks)
-        if scheduler.queue.qsize() == 0:
+        if scheduler.queued() == 0:
             break
         time.sleep(0.05)
     answer = client.post(GENERATIONS, json={"prompt": "a fox", "seed": 5, "response_format": "url"})
@@ -329,7 +329,7 @@ def test_bad_edits_are_refused_before_they_queue(edits):
             "compiled (--compile) for text-to-image", data={"prompt": "a fox"}, files={"image": image})
     refused(inpaint, EDITS, "give a mask of the image's size", data={"prompt": "a fox"},
             files={"image": image, "mask": ("mask.png", _png((16, 16), "white"), "image/png")})
-    assert scheduler.queue.qsize() == 0  # nothing reached a replica
+    assert scheduler.queued() == 0  # nothing reached a replica
 
 
 def test_a_good_edit_travels_to_the_replica_with_its_strength_and_image(edits):

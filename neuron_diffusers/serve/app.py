@@ -263,7 +263,7 @@ class _Answers:
         """The replica's answer: its images, or its error; 429 or 503 when the queue does not take the work, 504
         after `--request-timeout` (the replica still finishes it)."""
         try:
-            future = self.scheduler.submit(work.task(), len(work.requests))
+            future = self.scheduler.submit(work.task(), len(work.requests), work.batch_key)
         except QueueFull as exc:
             raise GenerationError(429, f"{exc}: retry later", "queue_full", error_type="rate_limit_error",
                                   headers={"Retry-After": str(self.scheduler.retry_after())}) from exc

@@ -28,7 +28,7 @@ import time
 
 import torch.distributed as dist
 
-from ..cli import positive_float, positive_int
+from ..cli import non_negative_float, positive_float, positive_int
 from ..compile import warmup
 from ..consistency import CallEntry
 from ..distributed import (
@@ -40,6 +40,7 @@ from ..job import DEFAULT_MAX_PIXELS, check_mesh, check_out_dir, context_mode, o
 from ..launch import DTYPES as DTYPES  # re-exported: serve's options took it from the job
 from ..launch import LaunchSpec, add_launch_arguments, default_size, plan_launch
 from ..parallel.lora import LoraSpec, parse_lora_option
+from ..parallel.vae import resolve_parallel_vae
 from ..runner import load_pipeline
 from .channel import Channel
 from .liveness import EXIT_GRACE_S, Liveness
@@ -79,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (printed)")
     parser.add_argument("--max-queue", type=positive_int, default=16,
                         help="requests that may wait for a free replica; more are answered 429 with Retry-After")
+    parser.add_argument("--batch-wait-ms", type=non_negative_float, default=0.0, metavar="MS",
+                        help="with --max-batch N: how long a free replica waits for compatible requests to fill its "
+                             "batch (default 0: it takes those already queued)")
     parser.add_argument("--request-timeout", type=positive_float, default=600.0,
                         help="seconds a request may take before it is answered 504")
     parser.add_argument("--shutdown-timeout", type=positive_float, default=60.0,
@@ -169,12 +173,13 @@ def _config(args, launch: LaunchSpec, world_size: int):
     checkpoint = launch.checkpoint
     mode = context_mode(checkpoint, launch.ulysses, launch.ring, launch.cp_any_length, compiled=bool(args.compile))
     cp = launch.ulysses * launch.ring
+    vae_min_pixels = resolve_parallel_vae(launch.parallel_vae, checkpoint.component_class_name("vae"), launch.group)
     return ServeConfig(checkpoint, checkpoint.adapter.size_limits(checkpoint),
                        args.sizes[0] if args.sizes else default_size(args.model), args.steps, args.max_steps,
                        args.max_pixels, launch.tp, world_size // (launch.tp * cp * launch.cfg), launch.cfg,
                        launch.dtype, sizes=args.sizes if args.compile else None, ulysses=launch.ulysses,
                        ring=launch.ring, cp_split=mode is not None and not mode.any_length, cache=launch.cache_text,
-                       plan=launch.plan, launch=launch)
+                       plan=launch.plan, launch=launch, max_batch=args.batch_size, vae_min_pixels=vae_min_pixels)
 
 
 class _Signals:
@@ -262,7 +267,7 @@ class _Front:
         metrics = Metrics()
         store = default_store()
         self.scheduler = Scheduler([Channel(r, store) for r in range(config.replicas)], args.max_queue,
-                                   metrics)
+                                   metrics, max_batch=config.max_batch, batch_wait_s=args.batch_wait_ms / 1000)
         files = ImageFiles(args.out, args.keep) if args.out is not None else None
         app = build_app(config, self.scheduler, metrics, args.request_timeout, files)
         self.http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",

@@ -4,8 +4,10 @@ ranks, and (on the replica's leader) answer with the PNGs or the error.
 Every rank of the replica reads the same task and makes the same `generate` call, so the reliability machinery of
 `generate` applies as it is: the entry handshake, every argument checked on every rank, and a failure on one rank
 (the leader encodes and decodes) raised alike on all of them. A bad request therefore fails on the whole replica
-and the replica goes on with the next one. Only a lost peer (`torch.distributed.DistError`) ends the loop: the
-process group is then unusable, and the server must exit (non-zero) rather than answer wrongly.
+and the replica goes on with the next one; in a batch of requests (`--max-batch`) its batch-mates are then made
+again one by one, so they get their images and it its error (`make`). Only a lost peer
+(`torch.distributed.DistError`) ends the loop: the process group is then unusable, and the server must exit
+(non-zero) rather than answer wrongly.
 """
 
 from __future__ import annotations
@@ -41,25 +43,61 @@ def serve_replica(pipe: ParallelPipeline, channel: Channel, give_up: Callable[[]
 
 def make(pipe: ParallelPipeline, task: dict, leader: bool) -> dict | None:
     """One task's `generate` call; the leader returns the answer: PNG bytes (with the task's text chunks) and the
-    seconds per phase, or the error every rank raised."""
+    seconds per phase, or the error every rank raised.
+
+    A batch task (`{"batch": [task, ...], "batch_size": N}`, from `--max-batch`) makes its requests' images in one
+    call, each from its own seeds; if that call fails (every rank raises the same error, so every rank sees it), each
+    request is made again on its own, so only a request's own error reaches it (its batch-mates get their images).
+    The answer is then one per request (`answers`), and `together` says whether they came from the one call."""
+    tasks = task.get("batch", [task])
     before = dict(pipe.times.seconds)
     start = time.perf_counter()
-    try:
-        _select_loras(pipe, task.get("loras", ()))
-        outputs = pipe.generate(task["prompts"], seed=task["seed"], negative_prompt=task["negative_prompt"],
-                                **task["kwargs"], **image_inputs(task))
-    except dist.DistError:  # a peer is gone: nothing is left to agree with
-        raise
-    except Exception as error:  # the same on every rank of the replica (see `ParallelPipeline.generate`)
-        return {"error": error_record(error)} if leader else None
+    outputs, error = _generate(pipe, _together(tasks, task.get("batch_size")))
+    together = error is None or len(tasks) == 1
+    if together:
+        made, first = [], 0
+        for one in tasks:
+            made.append((None if outputs is None else outputs[first:first + len(one["prompts"])], error))
+            first += len(one["prompts"])
+    else:  # a batch-mate's error: each request alone, as without --max-batch
+        made = [_generate(pipe, one) for one in tasks]
     if not leader:
         return None
     generated = time.perf_counter()
-    images = [png_bytes(image, text) for image, text in zip(outputs, task["texts"], strict=True)]
+    answers = [{"error": error_record(failure)} if failure is not None else
+               {"images": [png_bytes(image, text) for image, text in zip(images, one["texts"], strict=True)]}
+               for one, (images, failure) in zip(tasks, made, strict=True)]
     phases = {name: value - before.get(name, 0.0) for name, value in pipe.times.seconds.items()}
     phases = {"generate": generated - start, "png": time.perf_counter() - generated,
               **{name: round(value, 6) for name, value in phases.items() if value > 0}}
-    return {"images": images, "phases": phases}
+    if "batch" not in task:
+        return answers[0] if "error" in answers[0] else {**answers[0], "phases": phases}
+    return {"answers": answers, "phases": phases, "together": together}
+
+
+def _together(tasks: list[dict], batch_size: int | None) -> dict:
+    """One `generate` call's task for compatible `tasks` (equal `Work.batch_key`: the same call kwargs and LoRAs, no
+    image inputs, all with a negative prompt or none): their prompts in order, each image's own seed."""
+    if len(tasks) == 1:
+        return {**tasks[0], "batch_size": batch_size}
+    first = tasks[0]
+    negatives = None if first["negative_prompt"] is None else [
+        one["negative_prompt"] for one in tasks for _ in one["prompts"]]
+    return {**first, "prompts": [prompt for one in tasks for prompt in one["prompts"]],
+            "seed": [one["seed"] + index for one in tasks for index in range(len(one["prompts"]))],
+            "negative_prompt": negatives, "batch_size": batch_size}
+
+
+def _generate(pipe: ParallelPipeline, task: dict) -> tuple[list | None, Exception | None]:
+    """The task's images (on the leader; None elsewhere), or the error every rank of the replica raised."""
+    try:
+        _select_loras(pipe, task.get("loras", ()))
+        return pipe.generate(task["prompts"], seed=task["seed"], negative_prompt=task["negative_prompt"],
+                             batch_size=task.get("batch_size"), **task["kwargs"], **image_inputs(task)), None
+    except dist.DistError:  # a peer is gone: nothing is left to agree with
+        raise
+    except Exception as error:  # the same on every rank of the replica (see `ParallelPipeline.generate`)
+        return None, error
 
 
 def _select_loras(pipe: ParallelPipeline, loras) -> None:

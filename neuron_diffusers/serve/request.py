@@ -19,7 +19,7 @@ import PIL.Image
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..checkpoint import Checkpoint
-from ..job import Request, build_requests, call_kwargs, output_key, settings_text
+from ..job import Request, batch_key, build_requests, call_kwargs, output_key, settings_text
 from ..launch import check_guidance
 from ..media import InputImage
 from ..pipelines.base import MAX_SEED, SizeLimits
@@ -113,6 +113,14 @@ class ServeConfig:
     plan: str = "default"
     #: The checked `launch.LaunchSpec` every rank loads from (None in a config built by hand).
     launch: object = dataclasses.field(default=None, repr=False, compare=False)
+    #: `--max-batch`: the most images one stock call makes for compatible queued requests (1: one request a call).
+    max_batch: int = 1
+    #: From what size (pixels) the parallel VAE splits a decode (`parallel.vae.resolve_parallel_vae`, as the
+    #: replicas load it), or None: such sizes run one request a call (a batch is not decoded across the group).
+    vae_min_pixels: int | None = None
+
+    def splits_vae(self, height: int, width: int) -> bool:
+        return self.vae_min_pixels is not None and height * width >= self.vae_min_pixels
 
     def check_split(self, height: int, width: int, where: str) -> None:
         """Under context parallelism without *_anything modes: refuse a size whose tokens `generate` could not split
@@ -140,6 +148,8 @@ class Work:
     mask: bytes | None = None
     #: The LoRAs to fuse for it, `(source, scale)` (none: the base weights).
     loras: tuple[tuple[str, float], ...] = ()
+    #: Requests with equal keys may share one batched stock call (`--max-batch`); None: made alone.
+    batch_key: tuple | None = None
 
     def task(self) -> dict:
         """What travels to the replica: the arguments of one `generate` call, the same on every rank."""
@@ -212,8 +222,12 @@ def plan_work(body: ImageRequest, config: ServeConfig, images: tuple[Upload, ...
                            cache=config.cache, ulysses=config.ulysses, ring=config.ring, plan=config.plan)
              for r in requests]
     kwargs = call_kwargs(requests[0], adapter) | ({} if strength is None else {"strength": strength})
+    chosen = tuple((lora["source"], lora["scale"]) for lora in loras)
+    # The job's rule (`job.batch_key`: size, steps, guidance, CFG pairing, negative prompt or none, no image inputs,
+    # no split decode), plus the LoRA set, which the job fixes for all its requests.
+    key = batch_key((requests[0], cfg > 1), adapter, config.splits_vae)
     return Work(requests, body.response_format, texts, kwargs, tuple(upload.data for upload in images),
-                None if mask is None else mask.data, tuple((lora["source"], lora["scale"]) for lora in loras))
+                None if mask is None else mask.data, chosen, None if key is None else (key, chosen))
 
 
 def _loras(choices: list[LoraChoice], config: ServeConfig) -> list[dict]:

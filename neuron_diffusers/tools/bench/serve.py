@@ -123,6 +123,8 @@ async def _send(url: str, body: dict, requests: int, concurrency: int, first_see
 
 
 def percentile(values: list[float], q: int) -> float:
+    """The `q`th percentile, linearly interpolated between the closest ranks (`statistics.quantiles`, inclusive):
+    the one method of the benches' latency percentiles (`bench serve`, `bench throughput`)."""
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 

@@ -4,7 +4,8 @@ One pipeline is loaded once on N spawned CPU ranks (TP=N, one thread each, as `t
 `--images` prompts (of different lengths) with `generate(batch_size=B)` for each B, in rounds that alternate the
 order of the batch sizes, after one warm-up call per batch size. Images per second: images / wall seconds of the
 calls (latent output, no decode: the transformer is what batching amortises). Per-image latency: the seconds of the
-stock call that made the image (a batch's images all finish with it), p50 and p95 over every image of every round.
+stock call that made the image (a batch's images all finish with it), p50 and p95 over every image of every round
+(`serve.percentile`, interpolated, as `bench serve` takes them).
 What it prints is measured, not modelled; the spread across rounds is printed beside the median.
 """
 
@@ -22,6 +23,7 @@ from ...distributed import init_distributed
 from ...runner import load_pipeline
 from ..spawn import run_on_cpu_ranks
 from . import record
+from .serve import percentile
 
 PROMPTS = ["a red fox in the snow", "a lighthouse on a cliff at dusk, waves breaking on the rocks below",
            "a small boat", "an old library with tall shelves, warm lamps and a sleeping cat on a chair"]
@@ -55,11 +57,6 @@ def rank_bench(model, ranks: int, call: dict, images: int, batches: list[int], r
     return measured
 
 
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
-
-
 def measure(model: str, ranks: int, steps: int, size: int, images: int, batches: list[int], rounds: int) -> dict:
     call = {"height": size, "width": size, "num_inference_steps": steps}
     per_rank = run_on_cpu_ranks(rank_bench, ranks, model, ranks, call, images, batches, rounds, timeout_s=3600)
@@ -71,8 +68,8 @@ def measure(model: str, ranks: int, steps: int, size: int, images: int, batches:
         latencies = per_rank[0][batch]["latencies"]
         rows[str(batch)] = {"images_per_second": round(statistics.median(rates), 3),
                             "images_per_second_range": [round(min(rates), 3), round(max(rates), 3)],
-                            "latency_p50_s": round(_percentile(latencies, 0.5), 4),
-                            "latency_p95_s": round(_percentile(latencies, 0.95), 4)}
+                            "latency_p50_s": round(percentile(latencies, 50), 4),
+                            "latency_p95_s": round(percentile(latencies, 95), 4)}
     base = rows[str(batches[0])]["images_per_second"]
     for row in rows.values():
         row["vs_first"] = round(row["images_per_second"] / base, 3)
