@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
-from neuron_diffusers import tiny  # noqa: E402
+from neuron_diffusers import families, tiny  # noqa: E402
 from neuron_diffusers.cli import main  # noqa: E402
 from neuron_diffusers.tools.spawn import RankPools  # noqa: E402
 
@@ -33,11 +33,23 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+def _session_cache(tmp_path_factory):
+    return tmp_path_factory.getbasetemp() / "cache"
+
+
 @pytest.fixture(scope="session")
-def rank_pool():
+def rank_pool(tmp_path_factory):
     """`rank_pool.run(fn, world_size, *args, timeout_s=...)` → each rank's `fn(*args)`, on gloo ranks spawned once
     per world size for the whole session (a spawn costs a minute of imports on a busy machine). A job that fails
-    raises with its ranks' tracebacks and fails only its own test; a dead or hung rank gets the pool restarted."""
+    raises with its ranks' tracebacks and fails only its own test; a dead or hung rank gets the pool restarted.
+
+    The session's cached tiny checkpoints are built first, here: a rank inside a process group builds one in an
+    interpreter of its own (`tiny.cached_tiny`), every rank of the pool at once, seconds of imports each; this
+    process builds each once, in a second or two of CPU for all of them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NEURON_DIFFUSERS_CACHE", str(_session_cache(tmp_path_factory)))
+        for name in families.TINY_CHECKPOINTS:
+            tiny.cached_tiny(name)
     pools = RankPools(collective_timeout_s=300.0)
     yield pools
     pools.close()
@@ -63,7 +75,7 @@ def pooled(rank_pool):
 @pytest.fixture(autouse=True)
 def _hermetic_cache(tmp_path_factory, monkeypatch):
     """Embedded tiny models go to a per-session cache, never the user's ~/.cache."""
-    monkeypatch.setenv("NEURON_DIFFUSERS_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setenv("NEURON_DIFFUSERS_CACHE", str(_session_cache(tmp_path_factory)))
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ from neuron_diffusers.tools.plan import report as plan_report
 
 
 @pytest.fixture(scope="module")
-def measured():
-    return bench_collectives.measure(tp=2, repeats=1)
+def measured(pooled):
+    with pooled(bench_collectives):  # its rank job counts and returns only: the session's 2 ranks, not a spawn
+        return bench_collectives.measure(tp=2, repeats=1)
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)

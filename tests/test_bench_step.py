@@ -6,13 +6,16 @@ import statistics
 from PIL import Image
 
 from neuron_diffusers.cli import main
+from neuron_diffusers.tools.bench import step
 from neuron_diffusers.tools.bench.step import one_process_after
 
 
-def test_bench_step_measures_every_variant_beside_one_process(tmp_path, capsys):
+def test_bench_step_measures_every_variant_beside_one_process(tmp_path, capsys, pooled):
     out = tmp_path / "step"
-    assert main(["bench", "step", "--family", "qwenimage21", "--width", "tiny", "--tokens", "64", "--text", "16",
-                 "--repeats", "2", "--control", "--quantize", "fp8:16", "--json", "--out", str(out)]) == 0
+    with pooled(step):  # its rank job times and compares outputs only: the session's 2 ranks, not a spawn of its own
+        code = main(["bench", "step", "--family", "qwenimage21", "--width", "tiny", "--tokens", "64", "--text", "16",
+                     "--repeats", "2", "--control", "--quantize", "fp8:16", "--json", "--out", str(out)])
+    assert code == 0
     (result,) = json.loads(capsys.readouterr().out)
     assert result["family"] == "qwenimage21" and result["tp"] == 2 and result["blocks"] == {"num_layers": 1}
     assert (result["image_tokens"], result["text_tokens"]) == (64, 16)  # read off the captured call
@@ -42,12 +45,14 @@ def test_a_token_count_that_is_not_square_is_refused(capsys):
     assert "--tokens 63 is not a square number" in capsys.readouterr().err
 
 
-def test_one_process_after_the_tp_copies_when_they_would_not_fit(capsys):
+def test_one_process_after_the_tp_copies_when_they_would_not_fit(capsys, pooled):
     """FLUX.2's real-width copies do not fit a 24 GiB host together: the whole model is timed after the TP ones."""
     assert one_process_after(2_290_000_000, 2, available=24 * 2**30)  # FLUX.2's slice: 3 x 9.2 GB
     assert not one_process_after(550_000_000, 2, available=24 * 2**30)  # FLUX.1's: 3 x 2.2 GB
-    assert main(["bench", "step", "--family", "flux", "--width", "tiny", "--tokens", "64", "--text", "16",
-                 "--repeats", "1", "--one-process", "after", "--json"]) == 0
+    with pooled(step):
+        code = main(["bench", "step", "--family", "flux", "--width", "tiny", "--tokens", "64", "--text", "16",
+                     "--repeats", "1", "--one-process", "after", "--json"])
+    assert code == 0
     (result,) = json.loads(capsys.readouterr().out)
     assert result["one_process_after"] is True
     assert {label: len(samples) for label, samples in result["seconds"].items()} == \
@@ -56,8 +61,6 @@ def test_one_process_after_the_tp_copies_when_they_would_not_fit(capsys):
 
 
 def test_rounds_alternate_their_order_so_no_variant_always_runs_first(monkeypatch):
-    from neuron_diffusers.tools.bench import step
-
     calls = []
     monkeypatch.setattr(step.dist, "barrier", lambda: None)
     monkeypatch.setattr(step, "forward_call", lambda model, args, kwargs: calls.append(model))

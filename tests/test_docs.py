@@ -2,9 +2,11 @@
 
 A shell block fenced as `bash runnable` is run and must exit 0; `bash runnable exit=N` must exit N (a
 deliberately wrong plan being caught). The runnable blocks of one page run in order, in one empty folder,
-with this environment's executables on PATH and the Hub offline. Any other shell block (`bash needs=WHAT`:
-it needs hardware or a download we do not have here) is not run, but its `neuron-diffusers` commands must
-parse.
+with this environment's executables on PATH and the Hub offline. A line that is one `neuron-diffusers plan ...`
+command runs in this process instead (`cli.main`, the program's own body: the same parser and command, minus an
+interpreter start), its rank jobs on the session's gloo ranks (`pooled`), in the same folder; the block stops at
+the first command that fails, as `bash -e` does. Any other shell block (`bash needs=WHAT`: it needs hardware or a
+download we do not have here) is not run, but its `neuron-diffusers` commands must parse.
 """
 
 import os
@@ -17,12 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from neuron_diffusers.cli import _parser
+from neuron_diffusers.cli import _parser, main
+from neuron_diffusers.tools.plan import verify
 
 DOCS = sorted((Path(__file__).resolve().parent.parent / "docs").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 SHELLS = {"bash", "sh", "shell", "console"}
+#: `neuron-diffusers` commands run in this process (the `plan` tools: `plan verify` would spawn ranks of its own);
+#: the others (`tiny`, torchrun's jobs) run in bash, as the installed program.
+IN_PROCESS = {"plan"}
+SHELL_SYNTAX = set("|&;<>$`\\*?()")
+HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)")
+STATEFUL = re.compile(r"^\s*(cd|export|source|pushd|\.)\s|^\s*\w+=", re.M)
 
 
 @dataclass(frozen=True)
@@ -47,16 +56,76 @@ def _shell_blocks(doc: Path, runnable: bool) -> list[Block]:
     return [b for b in _blocks(doc) if b.lang in SHELLS and ("runnable" in b.tags) == runnable]
 
 
+def _in_process(line: str) -> list[str] | None:
+    """The arguments of a line that is one `neuron-diffusers` command run in this process, else None."""
+    if SHELL_SYNTAX & set(line):
+        return None
+    tokens = shlex.split(line)
+    return tokens[1:] if len(tokens) > 1 and tokens[0] == "neuron-diffusers" and tokens[1] in IN_PROCESS else None
+
+
+def _steps(text: str) -> list[tuple[str, object]]:
+    """A block in order, as ("bash", script) chunks and ("here", argv) commands (never inside a here-document)."""
+    steps, chunk, heredoc = [], [], None
+    for line in text.splitlines(keepends=True):
+        argv = None if heredoc else _in_process(line)
+        if argv is not None:
+            steps += [("bash", "".join(chunk))] if chunk else []
+            steps.append(("here", argv))
+            chunk = []
+            continue
+        chunk.append(line)
+        if heredoc:
+            heredoc = None if line.strip() == heredoc else heredoc
+        elif match := HEREDOC.search(line):
+            heredoc = match.group(1)
+    return steps + ([("bash", "".join(chunk))] if chunk else [])
+
+
+def _run_here(argv: list[str], capsys) -> tuple[int, str]:
+    """`neuron-diffusers ARGV` as `cli.run` runs it (argparse's exits included): its status and output."""
+    try:
+        code = main(argv)
+    except SystemExit as leaving:
+        code = leaving.code if isinstance(leaving.code, int) else int(leaving.code is not None)
+    captured = capsys.readouterr()
+    return code, f"{captured.out[-3000:]}\n{captured.err[-3000:]}"
+
+
+def _run_block(block: Block, cwd: Path, env: dict, capsys) -> tuple[int, str]:
+    steps = _steps(block.text)
+    if len(steps) > 1:  # separate shells: nothing a line sets up may be meant to carry over to the next
+        assert not STATEFUL.search(block.text), f"{block.where}: state set in one step would not reach the next"
+    for kind, step in steps:
+        if kind == "here":
+            code, output = _run_here(step, capsys)
+        else:
+            result = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", step], cwd=cwd, env=env,
+                                    capture_output=True, text=True, timeout=600)
+            code, output = result.returncode, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        if code:
+            break
+    return code, output
+
+
 @pytest.mark.parametrize("doc", [doc for doc in DOCS if _shell_blocks(doc, runnable=True)], ids=lambda doc: doc.name)
-def test_runnable_blocks_run_as_written(doc, tmp_path):
+def test_runnable_blocks_run_as_written(doc, tmp_path, monkeypatch, capsys, pooled):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "HF_HUB_OFFLINE": "1"}
-    for block in _shell_blocks(doc, runnable=True):
-        result = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=600)
-        assert result.returncode == block.expected_exit, (
-            f"{block.where} exited {result.returncode}, expected {block.expected_exit}:\n"
-            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    monkeypatch.chdir(tmp_path)  # the folder the in-process commands run in too
+    with pooled(verify):
+        for block in _shell_blocks(doc, runnable=True):
+            code, output = _run_block(block, tmp_path, env, capsys)
+            assert code == block.expected_exit, (
+                f"{block.where} exited {code}, expected {block.expected_exit}:\n{output}")
+
+
+def test_a_block_splits_into_bash_and_in_process_steps():
+    """A here-document's lines, other commands and lines with shell syntax stay in bash, in their order."""
+    heredoc = "cat > x.py <<'EOF'\nneuron-diffusers plan check flux\nEOF\n"
+    rest = "neuron-diffusers tiny flux f\nneuron-diffusers plan report --model flux | head\n"
+    assert _steps(heredoc + "neuron-diffusers plan check x.py\n" + rest) == [
+        ("bash", heredoc), ("here", ["plan", "check", "x.py"]), ("bash", rest)]
 
 
 def _commands(text: str):

@@ -2,7 +2,9 @@
 rendezvous (tp=2 inside each node, data parallelism across them, one shared output folder); and torchrun's elastic
 restart (`--max-restarts`) after a rank is killed mid-job, resuming from what is on disk. The one-node run is also
 the restarted job's uninterrupted reference: the same prompts, steps and TP degree (the pixels do not depend on the
-data-parallel split, as the two-node run against it shows), so no third job is launched for it."""
+data-parallel split, as the two-node run against it shows), so no third job is launched for it. The one-node run
+is the reference, not what is tested: it runs the same job (`plan_job`, `run_job`) on the session's 4 gloo ranks
+(`rank_pool`) rather than under a torchrun of its own (an agent and 4 interpreters started for it)."""
 
 import json
 import socket
@@ -11,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+import rank_jobs
 from killing import kill_rank_1_after_first_image
 from PIL import Image
 
@@ -25,9 +28,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _job_argv(out, prompts) -> list[str]:
+    return ["--prompts", str(prompts), "--out", str(out), "--tp", "2", "--steps", STEPS]
+
+
 def _torchrun(*launch: str, out, prompts) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "neuron_diffusers", "generate",
-            "--prompts", str(prompts), "--out", str(out), "--tp", "2", "--steps", STEPS]
+            *_job_argv(out, prompts)]
 
 
 def _finish(process: subprocess.Popen) -> str:
@@ -37,8 +44,8 @@ def _finish(process: subprocess.Popen) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The same job as two nodes of 2 ranks (two agents started at once) and as one node of 4 ranks."""
+def runs(tmp_path_factory, rank_pool):
+    """The same job as two nodes of 2 ranks (two agents started at once) and as one node of 4 ranks (the pool's)."""
     root = tmp_path_factory.mktemp("multinode")
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
@@ -48,9 +55,9 @@ def runs(tmp_path_factory):
     agents = [subprocess.Popen(_torchrun(*rendezvous, out=root / "two_nodes", prompts=prompts), text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     logs = [_finish(agent) for agent in agents]
-    one_node = subprocess.Popen(_torchrun("--nproc-per-node=4", out=root / "one_node", prompts=prompts), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    logs.append(_finish(one_node))
+    one_node = rank_pool.run(rank_jobs._job_outputs, 4, _job_argv(out=root / "one_node", prompts=prompts),
+                             timeout_s=600)
+    assert one_node[0]["summary"]["generated"] == len(PROMPTS), one_node[0]["summary"]
     return root, logs
 
 

@@ -34,6 +34,12 @@ SERVE = ["-m", "neuron_diffusers", "serve", "--tp", "2", "--steps", "2", "--max-
          "--peer-timeout", str(PEER_TIMEOUT_S)]
 
 
+#: Every probe's client. `httpx.get` builds a client, and its SSL context, per call (~25 ms of CPU): at a probe every
+#: 20 ms that took most of a core from the servers being watched. No keep-alive: each request opens its own
+#: connection, as a fresh `httpx.get` does.
+PROBES = httpx.Client(timeout=2, limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -72,8 +78,8 @@ class Agent:
 def _probe(url: str) -> tuple:
     """(/health status, its restarts or None, /ready status), or ("gone",) when nothing answers."""
     try:
-        health = httpx.get(url + "/health", timeout=2)
-        ready = httpx.get(url + "/ready", timeout=2)
+        health = PROBES.get(url + "/health")
+        ready = PROBES.get(url + "/ready")
     except httpx.HTTPError:
         return ("gone",)
     restarts = health.json().get("restarts") if health.status_code == 200 else None
@@ -221,7 +227,7 @@ def two_nodes():
                 client.post(url + GENERATIONS, json={"prompt": "last fox", "num_inference_steps": 30})))
             sender.start()
             deadline = time.monotonic() + 60
-            while "neuron_diffusers_busy_replicas 1.0" not in httpx.get(url + "/metrics").text:
+            while "neuron_diffusers_busy_replicas 1.0" not in PROBES.get(url + "/metrics", timeout=5).text:
                 assert time.monotonic() < deadline, "no request became busy"
                 time.sleep(0.05)
             ranks = {rank: pid for agent in agents for rank, pid in agent.ranks().items()}

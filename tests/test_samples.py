@@ -1,11 +1,14 @@
 """Every script in samples/ runs offline on its tiny checkpoint and writes a valid PNG (MiniMax-H3: MP4 + WAV; Wan:
 MP4).
 
-Each run costs a few seconds of imports, so only FLUX.1 runs tensor-parallel under torchrun (2 CPU ranks over
-gloo); the others run as one plain process, which the same script supports. Qwen-Image-2.1 runs with true CFG and
-`--compile aot_eager`, its length buckets included, so the compile path of the samples is exercised too.
+Each interpreter start costs seconds of imports, so only FLUX.1 runs tensor-parallel under torchrun (2 CPU ranks
+over gloo); the others run as plain one-process scripts, which the same scripts support, one after another in one
+offline interpreter (`sample_runner.py`: each as `__main__` with its own argv, cwd and captured output).
+Qwen-Image-2.1 runs with true CFG and `--compile aot_eager`, its length buckets included, so the compile path of the
+samples is exercised too.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -35,24 +38,44 @@ CASES = [
 REAL_IDS = {f"{family.name}.py": family.hub_id for family in families.FAMILIES if family.adapter is not None}
 
 
-def _run(script: str, out: Path, extra: list[str], ranks: int | None, **env) -> subprocess.CompletedProcess:
-    launcher = [sys.executable]
-    if ranks:  # --standalone: torchrun picks a free port, so concurrent runs on one machine do not collide
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}  # tiny checkpoints come from the hermetic cache (conftest.py)
-    result = subprocess.run([*launcher, str(SAMPLES / script), "--out", str(out), *extra], cwd=out.parent, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, (
-        f"{script} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return result
+def _offline(**env) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", **env}  # tiny checkpoints come from the hermetic cache (conftest.py)
+
+
+def _torchrun(script: str, out: Path, extra: list[str], ranks: int, **env) -> subprocess.CompletedProcess:
+    # --standalone: torchrun picks a free port, so concurrent runs on one machine do not collide
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    return subprocess.run([*launcher, str(SAMPLES / script), "--out", str(out), *extra], cwd=out.parent,
+                          env=_offline(**env), capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory) -> dict:
+    """Every one-process sample, run in one offline interpreter: script -> (its folder, its CompletedProcess)."""
+    logs = tmp_path_factory.mktemp("sample-logs")
+    runs = {script: (tmp_path_factory.mktemp(family) / name, extra) for script, family, name, extra, ranks in CASES
+            if not ranks}
+    spec = [[str(SAMPLES / script), str(out), extra, str(logs / script)] for script, (out, extra) in runs.items()]
+    (logs / "runs.json").write_text(json.dumps(spec))
+    runner = Path(__file__).with_name("sample_runner.py")
+    subprocess.run([sys.executable, str(runner), str(logs / "runs.json")], env=_offline(), check=True, timeout=900)
+    return {script: (out.parent, subprocess.CompletedProcess(
+        [script], int((logs / f"{script}.code").read_text()), (logs / f"{script}.out").read_text(),
+        (logs / f"{script}.err").read_text())) for script, (out, _) in runs.items()}
 
 
 @pytest.mark.parametrize("script, family, name, extra, ranks", CASES, ids=[case[0] for case in CASES])
-def test_sample_runs_offline_and_writes_valid_media(tmp_path, tmp_path_factory, script, family, name, extra, ranks):
+def test_sample_runs_offline_and_writes_valid_media(request, tmp_path_factory, script, family, name, extra, ranks):
+    if ranks:
+        tmp_path = tmp_path_factory.mktemp(family)
+        # The multi-rank run starts from an empty cache, so its ranks build the tiny model on first use, as a user's.
+        result = _torchrun(script, tmp_path / name, extra, ranks,
+                           NEURON_DIFFUSERS_CACHE=str(tmp_path_factory.mktemp("cold-cache")))
+    else:
+        tmp_path, result = request.getfixturevalue("plain_runs")[script]
     out = tmp_path / name
-    # The multi-rank run starts from an empty cache, so its ranks build the tiny model on first use, as a user's do.
-    cache = {"NEURON_DIFFUSERS_CACHE": str(tmp_path_factory.mktemp("cold-cache"))} if ranks else {}
-    result = _run(script, out, extra, ranks, **cache)
+    assert result.returncode == 0, (
+        f"{script} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     # Only rank 0 logs: one settings line and one "wrote" line, whatever the number of ranks.
     assert result.stdout.count("wrote ") == 1 and result.stdout.count(" steps ") == 1, result.stdout
     assert "recompiled after warm-up" not in result.stderr
