@@ -25,7 +25,7 @@ from .context import CpDraft, draft_cp_plans, plan_text
 from .draft import Draft, draft_plan
 from .proof import verify_cp, verify_drafts
 from .shipped import plan_text as rules_text
-from .tiny import full_size_config, tiny_case
+from .tiny import UNCONFIRMED_GAPS, full_size_config, tiny_case
 
 REPORT_TP = 8
 #: Classes verified per spawn: a rank that hangs costs one chunk's results, not the table's.
@@ -63,6 +63,8 @@ def full_size_row(name: str) -> tuple[dict, Draft | None]:
            "linears": draft.total_linears, "degrees": draft.degrees, "check_errors": draft.check_errors[:3],
            "undecided": [asdict(n) for n in draft.undecided],
            "weights_tp8": _weights(model, draft.plan, draft.degrees) if not draft.check_errors else None}
+    if name in UNCONFIRMED_GAPS:
+        row["config_unconfirmed"] = UNCONFIRMED_GAPS[name]
     family = families.by_model_class(name)
     if family is not None:
         row["hand_plan"] = {"family": family.name, "weights_tp8": _weights(model, family.plan, [REPORT_TP])}

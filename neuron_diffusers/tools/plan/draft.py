@@ -143,6 +143,8 @@ def _miss_cell(r: dict) -> str:
     notes = "; ".join(n for n in (_hand_wins(r), notes) if n)
     if r.get("cp_miss") and not r.get("miss"):
         notes = f"CP: {r['cp_miss']}" + (f"; {notes}" if notes else "")
+    if r.get("config_unconfirmed"):
+        notes = f"TP=8: full-size config unconfirmed, {r['config_unconfirmed']}" + (f"; {notes}" if notes else "")
     return _cell_text(notes)[:240]
 
 
@@ -178,7 +180,8 @@ def coverage_markdown(rows: list[dict], meta: dict) -> str:
         hand = r.get("hand_plan", {}).get("weights_tp8")
         degrees = ", ".join(map(str, r.get("degrees") or [])) or "-"
         lines.append(f"| {r['class']} | {r.get('rules', '-')} | {diff} | {degrees} | "
-                     f"{_cell_weights(r.get('weights_tp8'))} | {_cell_weights(hand)} | {_cp_cell(r.get('cp'))} | "
+                     f"{_cell_weights(r.get('weights_tp8'))}{' (unconfirmed)' * bool(r.get('config_unconfirmed'))} | "
+                     f"{_cell_weights(hand)} | {_cp_cell(r.get('cp'))} | "
                      f"{_cell_text(_stock_cell(r))[:80]} | {_miss_cell(r)} |")
     return "\n".join(lines) + "\n"
 
