@@ -30,6 +30,9 @@ from .tiny import UNCONFIRMED_GAPS, full_size_config, tiny_case
 REPORT_TP = 8
 #: Classes verified per spawn: a rank that hangs costs one chunk's results, not the table's.
 CHUNK = 10
+#: How long one chunk's spawn may take before its classes count as misses (a hang guard: generous, since the
+#: machines this runs on are often shared and 4 CPU ranks run each CP candidate).
+CHUNK_TIMEOUT_S = 2400.0
 
 
 def transformer_classes() -> list[str]:
@@ -163,7 +166,7 @@ def _context_parallel(pending: dict, rows: dict, log) -> None:
     for i in range(0, len(entries), CHUNK):
         chunk = {label: entries[label] for label in list(entries)[i:i + CHUNK]}
         try:
-            results = verify_cp(chunk)
+            results = verify_cp(chunk, timeout_s=CHUNK_TIMEOUT_S)
         except RuntimeError as error:  # a rank died or hung: the chunk's classes are misses, with the reason
             results = {label: {"plan": None, "tried": {}, "error": f"ranks failed: {str(error)[:200]}"}
                        for label in chunk}
@@ -183,7 +186,7 @@ def _cp_reason(tried: dict) -> str:
 
 def _verify_chunk(entries: dict, rows: dict, log) -> None:
     try:
-        results = verify_drafts(entries)
+        results = verify_drafts(entries, timeout_s=CHUNK_TIMEOUT_S)
     except RuntimeError as error:  # a rank died or hung: the whole chunk is a miss, with the reason
         results = {name: {"error": f"ranks failed: {str(error)[:200]}", "ok": False} for name in entries}
     for name, result in results.items():
