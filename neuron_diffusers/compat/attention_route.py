@@ -105,9 +105,17 @@ def needs_route(module: torch.nn.Module) -> bool:
         not hasattr(processor, "_parallel_config")
 
 
-def route_attention(model: torch.nn.Module) -> int:
-    """Wrap every processor of `model` that bypasses dispatch (before `enable_parallelism`); the number wrapped."""
-    routed = [module for module in model.modules() if needs_route(module)]
+def _split_region(model: torch.nn.Module, cp_plan: dict | None) -> list[torch.nn.Module]:
+    """The top-level modules a CP plan splits inputs of (the whole model for a forward-input rule or no plan):
+    attention outside them (a text refiner before the blocks) runs on whole sequences and must stay local."""
+    roots = {key.split(".")[0] for key, rule in (cp_plan or {"": {}}).items() if isinstance(rule, dict)}
+    return [model] if "" in roots else [getattr(model, root) for root in sorted(roots)]
+
+
+def route_attention(model: torch.nn.Module, cp_plan: dict | None = None) -> int:
+    """Wrap every processor that bypasses dispatch in the region `cp_plan` splits (before `enable_parallelism`);
+    the number wrapped."""
+    routed = [module for region in _split_region(model, cp_plan) for module in region.modules() if needs_route(module)]
     for module in routed:
         wrapped = _routed_class(type(module.processor))(module.processor)
         if hasattr(module, "set_processor"):

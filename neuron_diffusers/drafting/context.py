@@ -169,6 +169,8 @@ def _output_rule(trace_: Trace, with_text: bool) -> dict | None:
             (len(outputs) > 1 and not with_text):
         return None
     rule = [ContextParallelOutput(gather_dim=1, expected_dims=3) for _ in outputs]
+    if name.endswith(".0"):  # a one-block list: its `.0` key splits the inputs; `.*` is the same block
+        name = name[:-2] + ".*"
     return {name: rule[0] if isinstance(output, torch.Tensor) else rule}
 
 

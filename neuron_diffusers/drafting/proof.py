@@ -70,7 +70,7 @@ def _cp_run(case: Case, tp_plan: dict, cp_plan: dict, mesh, ulysses: int, route:
     try:
         model = cls.from_pretrained(case.checkpoint, subfolder="transformer").eval()
         if route:
-            route_attention(model)
+            route_attention(model, cp_plan)
         config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=ulysses, mesh=mesh),
                                 tensor_parallel_config=TensorParallelConfig(mesh=mesh["tp"]))
         with using_plan(cls, tp_plan):
