@@ -77,3 +77,14 @@ def test_a_mask_that_differs_per_head_is_refused(monkeypatch):
         per_head[1, 0, 0] = -1.0
         with pytest.raises(ValueError, match="differs per head"):
             routed(_inputs(), attention_mask=per_head)
+
+
+def test_only_attention_in_the_region_the_plan_splits_is_routed():
+    """A text refiner before the blocks runs on the whole sequence on every rank: it must stay local."""
+    model = torch.nn.Module()
+    model.refiner = _attention(AttnProcessor2_0())
+    model.blocks = torch.nn.ModuleList([_attention(AttnProcessor2_0())])
+    plan = {"blocks.0": {"hidden_states": object()}, "proj_out": object()}
+    assert route_attention(model, plan) == 1
+    assert needs_route(model.refiner) and not needs_route(model.blocks[0])
+    assert route_attention(model, {"": {"hidden_states": object()}}) == 1  # forward inputs split: everything
