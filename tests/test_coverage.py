@@ -16,7 +16,7 @@ import torch
 from neuron_diffusers.drafting import draft_plan, shipped
 from neuron_diffusers.drafting.coverage import transformer_classes
 from neuron_diffusers.drafting.proof import verify_drafts
-from neuron_diffusers.drafting.tiny import tiny_case
+from neuron_diffusers.drafting.tiny import DEFAULT_CONFIG_GAPS, UNCONFIRMED_GAPS, tiny_case
 from neuron_diffusers.tools.plan.draft import coverage_markdown, cp_verified_row
 from neuron_diffusers.tools.plan.verify import DEFAULT_TOLERANCE
 
@@ -48,6 +48,14 @@ def test_every_miss_has_a_reason(table):
             assert row.get("miss"), row["class"]
         elif not cp_verified_row(row):
             assert row.get("cp_miss"), row["class"]
+
+
+def test_full_size_values_diffusers_does_not_state_are_marked_unconfirmed(table):
+    marked = {r["class"]: r["config_unconfirmed"] for r in table["rows"] if r.get("config_unconfirmed")}
+    assert marked == UNCONFIRMED_GAPS and set(UNCONFIRMED_GAPS) <= set(DEFAULT_CONFIG_GAPS)
+    lines = {line.split(" | ")[0].strip("| "): line for line in (DOCS / "coverage.md").read_text().splitlines()
+             if line.startswith("| ")}
+    assert all("(unconfirmed)" in lines[name] for name in marked)
 
 
 def test_the_shipped_plans_are_the_verified_ones_of_the_same_run(table):

@@ -161,11 +161,28 @@ def test_a_wrong_cp_plan_fails_verification(wan_cp):
     assert result["plan"] is None and result["tried"]["text split"]["diff"] > 1000 * DEFAULT_TOLERANCE, result
 
 
-def test_cp_draft_names_why_when_attention_is_not_dispatched(tmp_path):
-    case = tiny_case(diffusers.PixArtTransformer2DModel, tmp_path)
-    model = diffusers.PixArtTransformer2DModel.from_pretrained(case.checkpoint, subfolder="transformer")
+@pytest.fixture(scope="module")
+def pixart_cp(tmp_path_factory, pooled):
+    """PixArt's tiny instance, whose processor calls SDPA itself: its drafted CP plans at tp=2 x ulysses=2 with the
+    processors routed through diffusers' dispatch, and (control) the same plans with them left as they are."""
+    case = tiny_case(diffusers.PixArtTransformer2DModel, tmp_path_factory.mktemp("pixart"))
+    model = diffusers.PixArtTransformer2DModel.from_pretrained(case.checkpoint, subfolder="transformer").eval()
     drafted = draft_cp_plans(model, case.kwargs, case.args)
-    assert drafted.candidates == {} and "no attention processor takes a parallel config" in drafted.reason
+    entries = {"pixart": (case, _tiny_draft(case).plan, drafted.candidates)}
+    with pooled(proof):
+        return drafted, verify_cp(entries)["pixart"], verify_cp(entries, route=False)["pixart"]
+
+
+def test_attention_that_bypasses_dispatch_is_routed_and_matches_one_process_at_tp2_ulysses2(pixart_cp):
+    drafted, routed, _ = pixart_cp
+    assert drafted.candidates and routed["plan"] is not None, routed
+    assert routed["tried"][routed["plan"]]["diff"] < DEFAULT_TOLERANCE
+
+
+def test_without_the_route_each_rank_attends_to_its_own_slice_and_differs(pixart_cp):
+    _, _, unrouted = pixart_cp
+    assert unrouted["plan"] is None, unrouted
+    assert all(r.get("diff", 0.0) > 1000 * DEFAULT_TOLERANCE for r in unrouted["tried"].values()), unrouted
 
 
 def test_plan_draft_of_a_folder_verifies_the_folders_config(tmp_path, monkeypatch, capsys):

@@ -23,7 +23,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.transformers import transformer_flux2, transformer_qwenimage
 
-from . import cache, plans, vae
+from . import attention_route, cache, plans, vae
 
 #: Where diffusers' context-parallel plans say to split and gather the sequence (not exported by diffusers 0.42).
 ContextParallelInput = _modeling_parallel.ContextParallelInput
@@ -80,7 +80,8 @@ _ELSEWHERE = (
 )
 
 #: Every private name the package reads or replaces (tests/test_patches.py checks they all exist).
-PRIVATE_NAMES = (*_PARALLEL_NAMES, *plans.PRIVATE_NAMES, *cache.PRIVATE_NAMES, *vae.PRIVATE_NAMES, *_ELSEWHERE)
+PRIVATE_NAMES = (*_PARALLEL_NAMES, *attention_route.PRIVATE_NAMES, *plans.PRIVATE_NAMES, *cache.PRIVATE_NAMES,
+                 *vae.PRIVATE_NAMES, *_ELSEWHERE)
 
 #: Instance attributes read (set at run time: checked on a fresh instance from the factory): (factory, attribute).
 PRIVATE_INSTANCE_ATTRIBUTES = cache.PRIVATE_INSTANCE_ATTRIBUTES

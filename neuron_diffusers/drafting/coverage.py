@@ -25,11 +25,14 @@ from .context import CpDraft, draft_cp_plans, plan_text
 from .draft import Draft, draft_plan
 from .proof import verify_cp, verify_drafts
 from .shipped import plan_text as rules_text
-from .tiny import full_size_config, tiny_case
+from .tiny import UNCONFIRMED_GAPS, full_size_config, tiny_case
 
 REPORT_TP = 8
 #: Classes verified per spawn: a rank that hangs costs one chunk's results, not the table's.
 CHUNK = 10
+#: How long one chunk's spawn may take before its classes count as misses (a hang guard: generous, since the
+#: machines this runs on are often shared and 4 CPU ranks run each CP candidate).
+CHUNK_TIMEOUT_S = 2400.0
 
 
 def transformer_classes() -> list[str]:
@@ -63,6 +66,8 @@ def full_size_row(name: str) -> tuple[dict, Draft | None]:
            "linears": draft.total_linears, "degrees": draft.degrees, "check_errors": draft.check_errors[:3],
            "undecided": [asdict(n) for n in draft.undecided],
            "weights_tp8": _weights(model, draft.plan, draft.degrees) if not draft.check_errors else None}
+    if name in UNCONFIRMED_GAPS:
+        row["config_unconfirmed"] = UNCONFIRMED_GAPS[name]
     family = families.by_model_class(name)
     if family is not None:
         row["hand_plan"] = {"family": family.name, "weights_tp8": _weights(model, family.plan, [REPORT_TP])}
@@ -161,7 +166,7 @@ def _context_parallel(pending: dict, rows: dict, log) -> None:
     for i in range(0, len(entries), CHUNK):
         chunk = {label: entries[label] for label in list(entries)[i:i + CHUNK]}
         try:
-            results = verify_cp(chunk)
+            results = verify_cp(chunk, timeout_s=CHUNK_TIMEOUT_S)
         except RuntimeError as error:  # a rank died or hung: the chunk's classes are misses, with the reason
             results = {label: {"plan": None, "tried": {}, "error": f"ranks failed: {str(error)[:200]}"}
                        for label in chunk}
@@ -181,7 +186,7 @@ def _cp_reason(tried: dict) -> str:
 
 def _verify_chunk(entries: dict, rows: dict, log) -> None:
     try:
-        results = verify_drafts(entries)
+        results = verify_drafts(entries, timeout_s=CHUNK_TIMEOUT_S)
     except RuntimeError as error:  # a rank died or hung: the whole chunk is a miss, with the reason
         results = {name: {"error": f"ranks failed: {str(error)[:200]}", "ok": False} for name in entries}
     for name, result in results.items():

@@ -53,13 +53,15 @@ def verify_drafts(entries: dict[str, tuple[Case, dict]], degree: int = DEGREE, *
 CP_LAYOUT = {"tp": 2, "ulysses": 2}
 
 
-def _cp_run(case: Case, tp_plan: dict, cp_plan: dict, mesh, ulysses: int) -> dict:
-    """One (TP plan, CP plan) on this rank: loaded whole, split by diffusers' own `enable_parallelism(config=
+def _cp_run(case: Case, tp_plan: dict, cp_plan: dict, mesh, ulysses: int, route: bool) -> dict:
+    """One (TP plan, CP plan) on this rank: loaded whole, its processors that call SDPA themselves routed through
+    diffusers' dispatch (`route`; `compat/attention_route.py`), split by diffusers' own `enable_parallelism(config=
     ParallelConfig(CP + TP), cp_plan=...)`, run, compared with one process; a failure is its result."""
     import diffusers
     import torch
     from diffusers import ContextParallelConfig, ParallelConfig, TensorParallelConfig
 
+    from ..compat.attention_route import route_attention
     from ..compat.plans import using_plan
     from ..tools.plan.cases import predictions
     from ..tools.plan.verify import _max_abs_diff
@@ -67,6 +69,8 @@ def _cp_run(case: Case, tp_plan: dict, cp_plan: dict, mesh, ulysses: int) -> dic
     cls = getattr(diffusers, case.model_class)
     try:
         model = cls.from_pretrained(case.checkpoint, subfolder="transformer").eval()
+        if route:
+            route_attention(model, cp_plan)
         config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=ulysses, mesh=mesh),
                                 tensor_parallel_config=TensorParallelConfig(mesh=mesh["tp"]))
         with using_plan(cls, tp_plan):
@@ -77,7 +81,8 @@ def _cp_run(case: Case, tp_plan: dict, cp_plan: dict, mesh, ulysses: int) -> dic
         return {"error": f"{type(error).__name__}: {str(error)[:200]}"}
 
 
-def _cp_rank_jobs(entries: list[tuple[str, Case, dict, dict]], tp: int, ulysses: int) -> dict[str, dict]:
+def _cp_rank_jobs(entries: list[tuple[str, Case, dict, dict]], tp: int, ulysses: int,
+                  route: bool = True) -> dict[str, dict]:
     """On one spawned rank: each class's CP candidates in order until one matches one process on every rank (the
     ranks agree through an all-reduce, so they stop together)."""
     import torch
@@ -90,7 +95,7 @@ def _cp_rank_jobs(entries: list[tuple[str, Case, dict, dict]], tp: int, ulysses:
     for name, case, tp_plan, candidates in entries:
         results[name] = {}
         for label, cp_plan in candidates.items():
-            result = results[name][label] = _cp_run(case, tp_plan, cp_plan, mesh, ulysses)
+            result = results[name][label] = _cp_run(case, tp_plan, cp_plan, mesh, ulysses, route)
             worst = torch.tensor([result.get("diff", float("inf"))])
             torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
             if worst.item() <= DEFAULT_TOLERANCE:
@@ -98,13 +103,14 @@ def _cp_rank_jobs(entries: list[tuple[str, Case, dict, dict]], tp: int, ulysses:
     return results
 
 
-def verify_cp(entries: dict[str, tuple[Case, dict, dict]], *, timeout_s: float = 600.0) -> dict[str, dict]:
+def verify_cp(entries: dict[str, tuple[Case, dict, dict]], *, timeout_s: float = 600.0,
+              route: bool = True) -> dict[str, dict]:
     """For each class (case, TP plan, {label: CP plan}, best first): `{"plan": the first label equal to one process
     at tp=2 x ulysses=2 within the tolerance, or None, "tried": {label: {"diff"} or {"error"}}}`, all in one spawn
-    of 4 CPU ranks."""
+    of 4 CPU ranks. `route=False` leaves processors that bypass dispatch as they are (a test's control)."""
     runnable = [(name, case, tp_plan, candidates) for name, (case, tp_plan, candidates) in entries.items()]
     per_rank = run_on_cpu_ranks(_cp_rank_jobs, CP_LAYOUT["tp"] * CP_LAYOUT["ulysses"], runnable, CP_LAYOUT["tp"],
-                                CP_LAYOUT["ulysses"], timeout_s=timeout_s)
+                                CP_LAYOUT["ulysses"], route, timeout_s=timeout_s)
     results = {}
     for name in entries:
         tried = {label: _merge(label, [rank[name] for rank in per_rank]) for label in per_rank[0][name]}

@@ -36,7 +36,8 @@ TEXT_KEYS = ("joint_attention_dim", "text_embed_dim", "text_dim", "caption_chann
              "context_in_dim", "text_hidden_dim", "encoder_hidden_dim", "text_states_dim", "cap_feat_dim",
              "cond_token_dim", "dit_text_dim")
 #: Full-size config values some classes' defaults leave unset (None: diffusers expects a checkpoint's config), taken
-#: from their public checkpoints: data, applied before the drafter reads the class and before shrinking.
+#: from their public checkpoints: data, applied before the drafter reads the class and before shrinking. They shape
+#: only the full-size columns (TP=8 weights and collectives), never the tiny instance a plan is verified on.
 DEFAULT_CONFIG_GAPS: dict[str, dict] = {
     "HunyuanDiT2DModel": {"in_channels": 4, "patch_size": 2, "hidden_size": 1408},  # 16 heads x 88
     "LatteTransformer3DModel": {"attention_head_dim": 72, "in_channels": 4, "out_channels": 8, "patch_size": 2,
@@ -44,15 +45,23 @@ DEFAULT_CONFIG_GAPS: dict[str, dict] = {
                                 "caption_channels": 4096, "num_embeds_ada_norm": 1000},
     "LuminaNextDiT2DModel": {"num_kv_heads": 8},
     "Transformer2DModel": {"in_channels": 320, "cross_attention_dim": 768},  # a Stable Diffusion UNet stage
-    "DreamLiteTransformer2DModel": {"in_channels": 320, "cross_attention_dim": 768},  # a UNet stage, as above
-    "TransformerTemporalModel": {"in_channels": 320},  # a video UNet's temporal stage
-    "EasyAnimateTransformer3DModel": {"in_channels": 16, "out_channels": 16, "patch_size": 2},
+    # DreamLiteUNetModel's defaults: its first stage (320 channels) cross-attends to 2048-wide text
+    "DreamLiteTransformer2DModel": {"in_channels": 320, "cross_attention_dim": 2048},
+    # UNet3DConditionModel's `transformer_in`: in_channels = block_out_channels[0], 320 by default
+    "TransformerTemporalModel": {"in_channels": 320},
+    "EasyAnimateTransformer3DModel": {"in_channels": 16, "out_channels": 16, "patch_size": 2},  # its docstring
     # Phi-3's rotary scaling: one factor per rotary frequency (head size 96 / 2)
     "OmniGenTransformer2DModel": {"rope_scaling": {"short_factor": [1.0] * 48, "long_factor": [1.0] * 48}},
     # T5 and Llama-3 text widths; which Llama layer feeds each of the 16 + 32 blocks changes no module
     "HiDreamImageTransformer2DModel": {"patch_size": 2, "in_channels": 16, "out_channels": 16,
                                        "caption_channels": [4096, 4096], "llama_layers": list(range(48)),
                                        "axes_dims_rope": (64, 32, 32)},
+}
+#: Gaps above that the installed diffusers (docstrings, the models that build the class) does not confirm: the
+#: coverage table marks their full-size columns unconfirmed. Class -> which values.
+UNCONFIRMED_GAPS: dict[str, str] = {
+    "HunyuanDiT2DModel": "hidden_size 1408, in_channels 4, patch_size 2 (the public checkpoint's, not stated by "
+                         "diffusers; its default hidden_size is 1152)",
 }
 #: Per-class config values the rule cannot derive (data, not code): class -> {key: value}.
 CONFIG_EXCEPTIONS: dict[str, dict] = {

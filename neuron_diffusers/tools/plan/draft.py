@@ -143,6 +143,8 @@ def _miss_cell(r: dict) -> str:
     notes = "; ".join(n for n in (_hand_wins(r), notes) if n)
     if r.get("cp_miss") and not r.get("miss"):
         notes = f"CP: {r['cp_miss']}" + (f"; {notes}" if notes else "")
+    if r.get("config_unconfirmed"):
+        notes = f"TP=8: full-size config unconfirmed, {r['config_unconfirmed']}" + (f"; {notes}" if notes else "")
     return _cell_text(notes)[:240]
 
 
@@ -163,7 +165,8 @@ def coverage_markdown(rows: list[dict], meta: dict) -> str:
              "(tiny instance, TP=2 equal to one process within 1e-5, float32, CPU ranks); "
              f"**{cp_verified} verified at tp=2 x ulysses=2** (the drafted TP plan composed with a drafted CP plan, "
              "or with the stock `_cp_plan` where no drafted one matches, 4 CPU ranks, equal to one process within "
-             "1e-5); the stock `_cp_plan` composes with the drafted TP plan "
+             "1e-5; processors that call SDPA themselves routed through diffusers' dispatch, "
+             "`compat/attention_route.py`); the stock `_cp_plan` composes with the drafted TP plan "
              f"for {sum(bool(r['cp_stock']['plan']) for r in stock)} of the {len(stock)} verified classes that ship "
              "one. TP=8: per-rank parameters of the full-size default config against total / 8 (1.000 x is ideal), "
              "and all-reduces (AR) + all-gathers (AG) per forward. Where a family has a hand plan it stays the "
@@ -178,7 +181,8 @@ def coverage_markdown(rows: list[dict], meta: dict) -> str:
         hand = r.get("hand_plan", {}).get("weights_tp8")
         degrees = ", ".join(map(str, r.get("degrees") or [])) or "-"
         lines.append(f"| {r['class']} | {r.get('rules', '-')} | {diff} | {degrees} | "
-                     f"{_cell_weights(r.get('weights_tp8'))} | {_cell_weights(hand)} | {_cp_cell(r.get('cp'))} | "
+                     f"{_cell_weights(r.get('weights_tp8'))}{' (unconfirmed)' * bool(r.get('config_unconfirmed'))} | "
+                     f"{_cell_weights(hand)} | {_cp_cell(r.get('cp'))} | "
                      f"{_cell_text(_stock_cell(r))[:80]} | {_miss_cell(r)} |")
     return "\n".join(lines) + "\n"
 
