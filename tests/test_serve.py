@@ -44,6 +44,10 @@ from neuron_diffusers.serve.request import EditRequest, ImageRequest, ServeConfi
 from neuron_diffusers.serve.scheduler import Scheduler
 from neuron_diffusers.tools.bench.serve import ServerProcess
 
+#: Every probe's client: `httpx.get` builds a client, and its SSL context, per call (~25 ms of CPU), and the waits
+#: below probe every 50-200 ms. No keep-alive: each probe opens its own connection, as a fresh `httpx.get` does.
+PROBES = httpx.Client(timeout=5, limits=httpx.Limits(max_keepalive_connections=0))
+
 
 def _config(model="flux", sizes=None, cfg=1, pipeline=None):
     checkpoint = resolve(model, pipeline)
@@ -477,7 +481,7 @@ def test_server_under_torchrun_tp2(job_image):
         codes = [r.status_code for r in burst]
         assert codes[0] == 200 and 429 in codes and set(codes) == {200, 429}, codes
         assert all(r.headers["retry-after"].isdigit() for r in burst if r.status_code == 429)
-        metrics = httpx.get(server.url + "/metrics").text
+        metrics = PROBES.get(server.url + "/metrics").text
         assert 'neuron_diffusers_errors_total{kind="queue_full"}' in metrics
 
         # SIGTERM while a request is in flight: it is answered, and every rank exits 0 (so does torchrun).
@@ -510,7 +514,7 @@ def _concurrent(url, bodies, stagger_s=0.0):
 def _wait_busy(base_url, timeout_s=60.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if "neuron_diffusers_busy_replicas 1.0" in httpx.get(base_url + "/metrics").text:
+        if "neuron_diffusers_busy_replicas 1.0" in PROBES.get(base_url + "/metrics").text:
             return
         time.sleep(0.05)
     raise AssertionError("no request became busy")
@@ -569,7 +573,7 @@ def test_server_with_ulysses_and_a_rank_killed_while_idle(job_image):
             exited = ranks[0].poll() is not None  # so the last request is sent after the exit, hence after the log
             asked = time.monotonic()
             try:
-                health.append((asked, httpx.get(url + "/health", timeout=2).status_code))
+                health.append((asked, PROBES.get(url + "/health", timeout=2).status_code))
             except httpx.HTTPError:
                 health.append((asked, "gone"))
             if exited:
@@ -663,7 +667,7 @@ def _wait_ready(lines, rank0, timeout_s=300.0) -> str:
         url = next((line.split("listening on ")[1].split()[0] for line in lines if "listening on" in line), None)
         if url is not None:
             try:
-                if httpx.get(url + "/ready", timeout=5).status_code == 200:
+                if PROBES.get(url + "/ready", timeout=5).status_code == 200:
                     return url
             except httpx.HTTPError:
                 pass
