@@ -26,7 +26,7 @@ from .distributed import AUTO_ORDER, MESH_ORDERS, check_cp_degrees, check_tp_deg
 from .parallel import context
 from .parallel.cache import check_cache, parse_cache_spec
 from .parallel.lora import LoadedLora, LoraSpec, check_loras, lora_loader, read_lora
-from .parallel.plan_variants import VARIANTS, is_plan_file, plan_label, variant_plan
+from .parallel.plan_variants import VARIANTS, is_plan_file, resolved_plan
 from .parallel.quantize import Quantization, check_launch_quantize
 from .topology import check_node_local, detect_nodes
 
@@ -244,11 +244,11 @@ def read_loras(checkpoint: Checkpoint, loras) -> tuple[LoadedLora, ...]:
                  for spec in specs)
 
 
-def checked_plan(checkpoint: Checkpoint, plan: str, tp: int) -> dict:
-    """The plan's table; a plan file is also laid out on the meta-device transformer at degree `tp` (every rule
-    must name Linears, split evenly and be coalesced as written), as the loader would, before any weight is read.
-    The named plans are the package's own, proven by its tests."""
-    tp_plan = variant_plan(checkpoint.family, plan)
+def checked_plan(checkpoint: Checkpoint, plan: str, tp: int) -> tuple[dict, str]:
+    """The plan's table and its label for outputs (`resolved_plan`); a plan file is also laid out on the meta-device
+    transformer at degree `tp` (every rule must name Linears, split evenly and be coalesced as written), as the
+    loader would, before any weight is read. The named plans are the package's own, proven by its tests."""
+    tp_plan, label = resolved_plan(checkpoint.family, plan)
     if is_plan_file(plan):
         try:
             shard_specs(checkpoint.meta("transformer"), tp_plan, tp)
@@ -256,7 +256,7 @@ def checked_plan(checkpoint: Checkpoint, plan: str, tp: int) -> dict:
             raise ValueError(f"Plan file {plan} does not fit {checkpoint.path}'s transformer at tp={tp}: {error} "
                              f"(`neuron-diffusers plan check {plan} --model {checkpoint.path}` lists every "
                              "problem).") from None
-    return tp_plan
+    return tp_plan, label
 
 
 def check_experts(checkpoint: Checkpoint, *, cache=None, loras=(), compile: str | None = None) -> None:
@@ -290,7 +290,7 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
     check_experts(checkpoint, cache=cache, loras=loras, compile=args.compile)
     checkpoint.check_safetensors()
     checkpoint.check_heads(tp)
-    tp_plan = checked_plan(checkpoint, args.plan, tp)
+    tp_plan, plan_text = checked_plan(checkpoint, args.plan, tp)
     if cache is not None:
         # Tried on the meta-device transformer (no weights), with the blocks `--compile` would compile.
         meta = checkpoint.meta("transformer")
@@ -302,7 +302,7 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
                                      args.ulysses * args.ring > 1, bool(args.compile))
     return LaunchSpec(checkpoint, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
                       mesh_order=args.mesh_order, cross_node=args.cross_node, cp_any_length=args.cp_any_length,
-                      plan=plan_label(args.plan), tp_plan=tp_plan,
+                      plan=plan_text, tp_plan=tp_plan,
                       cache=cache, cache_text=args.cache, parallel_vae=args.parallel_vae,
                       compile=args.compile, warmup=args.warmup, dtype=default_dtype(args.dtype, device_type),
                       loras=read_loras(checkpoint, loras), quantize=quantize, batch_sizes=batch_sizes)
@@ -326,12 +326,12 @@ def spec_for(model, *, torch_dtype=None, pipeline_class=None, buckets=None, lora
     quantization's blocks are checked against them there)."""
     checkpoint = resolve(model, pipeline_class)
     check_experts(checkpoint, cache=cache, loras=loras)
-    tp_plan = checked_plan(checkpoint, plan, 1)
+    tp_plan, plan_text = checked_plan(checkpoint, plan, 1)
     quantize = check_launch_quantize(checkpoint, tp_plan, 1, quantize)
     if cache is not None:
         check_cache(cache, checkpoint.meta("transformer"))
     dtype = None if torch_dtype is None else str(torch_dtype).removeprefix("torch.")
-    return LaunchSpec(checkpoint, cp_any_length=cp_any_length, plan=plan_label(plan), tp_plan=tp_plan, cache=cache,
+    return LaunchSpec(checkpoint, cp_any_length=cp_any_length, plan=plan_text, tp_plan=tp_plan, cache=cache,
                       parallel_vae=parallel_vae, loras=read_loras(checkpoint, loras), dtype=dtype,
                       buckets=None if buckets is None else tuple(buckets), quantize=quantize)
 

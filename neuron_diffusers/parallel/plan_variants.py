@@ -59,16 +59,8 @@ def read_plan_file(path: str | Path) -> PlanFile:
     return PlanFile(path, rules, getattr(module, "MODEL_CLASS", None), hashlib.sha256(path.read_bytes()).hexdigest())
 
 
-def plan_label(plan: str) -> str:
-    """How outputs record the plan: its name, or a plan file's path with its content's sha256 (an edited file then
-    shows in the metadata; the plan is not in the settings key, as the layout only reorders sums)."""
-    if not is_plan_file(plan):
-        return plan
-    return f"{plan} (sha256 {read_plan_file(plan).sha256[:16]})"
-
-
-def file_plan(family: families.Family, path: str) -> dict:
-    """A plan file's rules for `family`'s transformer: refused when its `MODEL_CLASS` names another class."""
+def file_plan(family: families.Family, path: str) -> PlanFile:
+    """A plan file for `family`'s transformer: refused when its `MODEL_CLASS` names another class."""
     plan = read_plan_file(path)
     if plan.model_class is not None:
         written_for = getattr(diffusers, plan.model_class, None)
@@ -76,14 +68,24 @@ def file_plan(family: families.Family, path: str) -> dict:
             raise ValueError(f"Plan file {path} is written for {plan.model_class} (its MODEL_CLASS), but this "
                              f"checkpoint's transformer is a {family.model_class_name}: draft one for it with "
                              "`neuron-diffusers plan draft CHECKPOINT --out FILE.py`.")
-    return plan.rules
+    return plan
+
+
+def resolved_plan(family: families.Family, plan: str) -> tuple[dict, str]:
+    """The plan's table and how outputs record it: its name, or a plan file's path with its content's sha256 (an
+    edited file then shows in the metadata; the plan is not in the settings key, as the layout only reorders sums).
+    A plan file is read once, so the table and the recorded digest are of the same content."""
+    if not is_plan_file(plan):
+        return variant_plan(family, plan), plan
+    read = file_plan(family, plan)
+    return read.rules, f"{plan} (sha256 {read.sha256[:16]})"
 
 
 def variant_plan(family: families.Family, variant: str) -> dict:
     """The plan called `variant` (or in the plan file `variant`) for `family`'s transformer; a `ValueError` says why
     a name cannot be used."""
     if is_plan_file(variant):
-        return file_plan(family, variant)
+        return file_plan(family, variant).rules
     if variant not in VARIANTS:
         raise ValueError(f"Unknown tensor-parallel plan '{variant}': choose one of {', '.join(VARIANTS)}, or a plan "
                          "file (FILE.py, e.g. from `neuron-diffusers plan draft MODEL --out FILE.py`).")
