@@ -19,6 +19,7 @@ from collections.abc import Callable
 import PIL.Image
 import torch.distributed as dist
 
+from ..batching import seeds_for
 from ..distributed import is_replica_leader
 from ..media import png_bytes
 from ..parallel.lora import LoraSpec
@@ -77,14 +78,15 @@ def make(pipe: ParallelPipeline, task: dict, leader: bool) -> dict | None:
 
 def _together(tasks: list[dict], batch_size: int | None) -> dict:
     """One `generate` call's task for compatible `tasks` (equal `Work.batch_key`: the same call kwargs and LoRAs, no
-    image inputs, all with a negative prompt or none): their prompts in order, each image's own seed."""
+    image inputs, all with a negative prompt or none): their prompts in order, each image's own seed (each request's
+    seed was checked when it was accepted, so `seeds_for` cannot raise here)."""
     if len(tasks) == 1:
         return {**tasks[0], "batch_size": batch_size}
     first = tasks[0]
     negatives = None if first["negative_prompt"] is None else [
         one["negative_prompt"] for one in tasks for _ in one["prompts"]]
     return {**first, "prompts": [prompt for one in tasks for prompt in one["prompts"]],
-            "seed": [one["seed"] + index for one in tasks for index in range(len(one["prompts"]))],
+            "seed": [seed for one in tasks for seed in seeds_for(one["seed"], len(one["prompts"]))],
             "negative_prompt": negatives, "batch_size": batch_size}
 
 
