@@ -3,7 +3,8 @@ transformer forwards per rank.
 
 Two jobs on the session's rank pool (2 ranks: one CFG pair at tp=1; 4 ranks: cfg=2 x tp=2) record every check as a
 case of its own (`rank_cases`), the `generate` job included (run in the pool's process group as torchrun would run
-it); the stock references run in this process, once per module.
+it; torchrun's own launch is tested by .ci/run's README command and tests/test_multinode.py); the stock references
+run in this process, once per module.
 
 Every "equals stock" check compares latents (`output_type="latent"`; for the job, the latents its last step
 checked) at `LATENT_TOL`, and holds a control in the same test: the stock latents of another prompt (and, with true
@@ -12,8 +13,6 @@ held to at most one 8-bit level and 0.5% of values apart.
 """
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import cfg_jobs
@@ -358,17 +357,3 @@ def test_bad_cfg_input_is_rejected_before_anything_is_written(tmp_path, capsys, 
     assert main(["generate", "--prompt", "a fox", "--out", str(tmp_path / "out"), *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-
-
-def test_generate_command_runs_cfg_parallel_under_torchrun(tmp_path, checkpoints, stock):
-    """The same job as `test_cfg_pair_job_gives_the_stock_image[flux]` (whose latents are checked there), launched
-    by torchrun: its PNG within one level of stock's."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "neuron_diffusers",
-               "generate", *_job_argv(tmp_path / "out", "flux", checkpoints["flux"])]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "tp=1, cfg=2, dp=1" in result.stdout
-    from PIL import Image
-
-    pixels = np.asarray(Image.open(tmp_path / "out" / JOB_FILE))
-    assert_png(pixels, job_stock(stock, "flux")["png"], "torchrun flux")

@@ -1,4 +1,8 @@
-"""The `generate` job end to end under torchrun: TP=2, DP=2 x TP=1, .jsonl seeds, resume, a killed rank, bad input.
+"""The `generate` job end to end: TP=2, DP=2 x TP=1, .jsonl seeds, resume, a killed rank, bad input.
+
+A killed rank needs torchrun's own launch; the other multi-rank jobs run the command's body on the session's pool
+ranks (`cli_jobs.on_pool`: the same `cli.main` on as many gloo ranks, minus torchrun's interpreter starts; .ci/run's
+README command and tests/test_multinode.py launch the job with torchrun itself).
 
 The job's PNGs are compared with another run's at one level per value and at most 0.5% of values differing, with a
 control (stock's PNG of another prompt, same seed, must fail that bar); the same configurations, planned from the
@@ -10,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import cli_jobs
 import numpy as np
 import pytest
 import runner_jobs
@@ -36,6 +41,13 @@ def _command(out, *extra, ranks=None):
 def _run(out, *extra, ranks=None, expect=0):
     result = subprocess.run(_command(out, *extra, ranks=ranks), capture_output=True, text=True, timeout=300)
     assert result.returncode == expect, result.stderr[-4000:]
+    return result
+
+
+def _run_on_pool(rank_pool, out, *extra, ranks: int = 2) -> dict:
+    """The job on `ranks` pool ranks (as `torchrun --nproc_per_node=RANKS` would run it): exit 0, its output."""
+    result = cli_jobs.on_pool(rank_pool, ["generate", "--out", str(out), *extra], ranks)
+    assert result["code"] == 0, result["err"][-4000:]
     return result
 
 
@@ -130,9 +142,9 @@ def test_job_configurations_give_stock_latents(job_latents, stock_flux, layout):
 
 
 def test_tp2_jsonl_matches_single_process_with_per_line_seeds(tmp_path, prompts_jsonl, job_latents, stock_flux,
-                                                              capsys):
+                                                              capsys, rank_pool):
     tp2, single = tmp_path / "tp2", tmp_path / "single"
-    _run(tp2, "--prompts", str(prompts_jsonl), "--tp", "2", ranks=2)
+    _run_on_pool(rank_pool, tp2, "--prompts", str(prompts_jsonl), "--tp", "2")
     _run_here(single, "--prompts", str(prompts_jsonl), capsys=capsys)
     names = ["00000-a-red-fox-in-the-snow.png", "00001-a-blue-bird.png", "00002-a-green-frog-on-a-leaf.png"]
     assert _pngs(tp2) == _pngs(single) == names
@@ -155,12 +167,12 @@ def test_tp2_jsonl_matches_single_process_with_per_line_seeds(tmp_path, prompts_
     assert not list(tp2.glob(".*")), "temporary files left behind"
 
 
-def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path, job_latents, stock_flux, capsys):
+def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path, job_latents, stock_flux, capsys, rank_pool):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(DP2_PROMPTS)
     out = tmp_path / "out"
-    result = _run(out, "--prompts", str(prompts), "--tp", "1", ranks=2)
-    assert "wrote 3 of 3" in result.stdout and "dp=2" in result.stdout
+    result = _run_on_pool(rank_pool, out, "--prompts", str(prompts), "--tp", "1")
+    assert "wrote 3 of 3" in result["out"] and "dp=2" in result["out"]
     assert _pngs(out) == ["00000-a-red-fox.png", "00001-a-blue-bird.png", "00002-a-green-frog.png"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mesh"]["shape"] == [2, 1] and len(summary["phases_per_tp_group"]) == 2
@@ -171,16 +183,16 @@ def test_dp2_splits_prompts_and_a_rerun_resumes(tmp_path, job_latents, stock_flu
     _assert_png_matches(out / "00001-a-blue-bird.png", reference)
 
     written = {p.name: p.stat().st_mtime_ns for p in out.glob("*.png")}
-    result = _run(out, "--prompts", str(prompts), "--tp", "1", ranks=2)
-    assert "wrote 0 of 3" in result.stdout and "nothing left to generate" in result.stdout
+    result = _run_on_pool(rank_pool, out, "--prompts", str(prompts), "--tp", "1")
+    assert "wrote 0 of 3" in result["out"] and "nothing left to generate" in result["out"]
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.png")} == written
     assert "wrote 1 of 1" in _run_here(out, "--prompt", "a red fox", "--overwrite", capsys=capsys)
 
 
 
-def test_killed_rank_fails_cleanly_and_a_rerun_completes_the_set(tmp_path):
+def test_killed_rank_fails_cleanly_and_a_rerun_completes_the_set(tmp_path, rank_pool):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(f"prompt number {i}" for i in range(12)) + "\n")
+    prompts.write_text("\n".join(f"prompt number {i}" for i in range(6)) + "\n")  # rank 1 dies after the first
     out = tmp_path / "out"
     args = ("--prompts", str(prompts), "--tp", "2", "--steps", "6", "--timeout", "60")
     launcher = subprocess.Popen(_command(out, *args, ranks=2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -192,20 +204,20 @@ def test_killed_rank_fails_cleanly_and_a_rerun_completes_the_set(tmp_path):
     # the killed rank instead. Either way the user reads what happened.
     assert "error on rank 0" in stderr or "SIGKILL" in stderr, stderr[-3000:]
     written = _pngs(out)
-    assert 0 < len(written) < 12, "the kill did not land mid-run"
+    assert 0 < len(written) < 6, "the kill did not land mid-run"
     for name in written:
         Image.open(out / name).verify()  # complete files only
     assert not list(out.glob(".*")), "a partial (temporary) file was left behind"
 
-    result = _run(out, *args, ranks=2)
-    assert f"wrote {12 - len(written)} of 12" in result.stdout
-    assert len(_pngs(out)) == 12
+    result = _run_on_pool(rank_pool, out, *args)
+    assert f"wrote {6 - len(written)} of 6" in result["out"]
+    assert len(_pngs(out)) == 6
 
 
-def test_h3_writes_a_playable_mp4_with_its_audio(tmp_path):
+def test_h3_writes_a_playable_mp4_with_its_audio(tmp_path, rank_pool):
     import av
 
-    _run(tmp_path, "--prompt", "a red fox", "--model", "h3", "--tp", "2", "--steps", "3", ranks=2)
+    _run_on_pool(rank_pool, tmp_path, "--prompt", "a red fox", "--model", "h3", "--tp", "2", "--steps", "3")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["00000-a-red-fox.mp4", "00000-a-red-fox.wav", "summary.json"]
     with av.open(str(tmp_path / "00000-a-red-fox.mp4")) as container:
         kinds = sorted(stream.type for stream in container.streams)

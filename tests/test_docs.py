@@ -4,8 +4,10 @@ A shell block fenced as `bash runnable` is run and must exit 0; `bash runnable e
 deliberately wrong plan being caught). The runnable blocks of one page run in order, in one empty folder,
 with this environment's executables on PATH and the Hub offline. A line that is one `neuron-diffusers plan ...`
 command runs in this process instead (`cli.main`, the program's own body: the same parser and command, minus an
-interpreter start), its rank jobs on the session's gloo ranks (`pooled`), in the same folder; the block stops at
-the first command that fails, as `bash -e` does. Any other shell block (`bash needs=WHAT`: it needs hardware or a
+interpreter start), its rank jobs on the session's gloo ranks (`pooled`), in the same folder; a line that is one
+`torchrun --nproc_per_node=N -m neuron_diffusers ...` runs that body on N of those ranks (`cli_jobs.on_pool`: what
+torchrun itself adds is tested with real launches elsewhere); the block stops at the first command that fails, as
+`bash -e` does. Any other shell block (`bash needs=WHAT`: it needs hardware or a
 download we do not have here) is not run, but its `neuron-diffusers` commands must parse.
 """
 
@@ -17,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import cli_jobs
 import pytest
 
 from neuron_diffusers.cli import _parser, main
@@ -31,6 +34,7 @@ SHELLS = {"bash", "sh", "shell", "console"}
 IN_PROCESS = {"plan"}
 SHELL_SYNTAX = set("|&;<>$`\\*?()")
 HEREDOC = re.compile(r"<<-?\s*['\"]?(\w+)")
+TORCHRUN = re.compile(r"--nproc[_-]per[_-]node=(\d+)")
 STATEFUL = re.compile(r"^\s*(cd|export|source|pushd|\.)\s|^\s*\w+=", re.M)
 
 
@@ -56,22 +60,29 @@ def _shell_blocks(doc: Path, runnable: bool) -> list[Block]:
     return [b for b in _blocks(doc) if b.lang in SHELLS and ("runnable" in b.tags) == runnable]
 
 
-def _in_process(line: str) -> list[str] | None:
-    """The arguments of a line that is one `neuron-diffusers` command run in this process, else None."""
+def _in_process(line: str) -> tuple[str, object] | None:
+    """A line that is one `neuron-diffusers plan` command, as ("here", argv), or one torchrun launch of the package
+    on one node, as ("ranks", (N, argv)); else None (bash runs it)."""
     if SHELL_SYNTAX & set(line):
         return None
     tokens = shlex.split(line)
-    return tokens[1:] if len(tokens) > 1 and tokens[0] == "neuron-diffusers" and tokens[1] in IN_PROCESS else None
+    if len(tokens) > 1 and tokens[0] == "neuron-diffusers" and tokens[1] in IN_PROCESS:
+        return "here", tokens[1:]
+    if (len(tokens) > 4 and tokens[0] == "torchrun" and (match := TORCHRUN.fullmatch(tokens[1]))
+            and tokens[2:4] == ["-m", "neuron_diffusers"]):
+        return "ranks", (int(match.group(1)), tokens[4:])
+    return None
 
 
 def _steps(text: str) -> list[tuple[str, object]]:
-    """A block in order, as ("bash", script) chunks and ("here", argv) commands (never inside a here-document)."""
+    """A block in order, as ("bash", script) chunks and in-process commands (`_in_process`; never inside a
+    here-document). A line continued with a backslash is one line."""
     steps, chunk, heredoc = [], [], None
-    for line in text.splitlines(keepends=True):
-        argv = None if heredoc else _in_process(line)
-        if argv is not None:
+    for line in text.replace("\\\n", " ").splitlines(keepends=True):
+        command = None if heredoc else _in_process(line)
+        if command is not None:
             steps += [("bash", "".join(chunk))] if chunk else []
-            steps.append(("here", argv))
+            steps.append(command)
             chunk = []
             continue
         chunk.append(line)
@@ -92,13 +103,17 @@ def _run_here(argv: list[str], capsys) -> tuple[int, str]:
     return code, f"{captured.out[-3000:]}\n{captured.err[-3000:]}"
 
 
-def _run_block(block: Block, cwd: Path, env: dict, capsys) -> tuple[int, str]:
+def _run_block(block: Block, cwd: Path, env: dict, capsys, rank_pool) -> tuple[int, str]:
     steps = _steps(block.text)
     if len(steps) > 1:  # separate shells: nothing a line sets up may be meant to carry over to the next
         assert not STATEFUL.search(block.text), f"{block.where}: state set in one step would not reach the next"
     for kind, step in steps:
         if kind == "here":
             code, output = _run_here(step, capsys)
+        elif kind == "ranks":
+            ranks, argv = step
+            launch = cli_jobs.on_pool(rank_pool, argv, ranks, cwd=cwd)
+            code, output = launch["code"], f"{launch['out'][-3000:]}\n{launch['err'][-3000:]}"
         else:
             result = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", step], cwd=cwd, env=env,
                                     capture_output=True, text=True, timeout=600)
@@ -109,13 +124,13 @@ def _run_block(block: Block, cwd: Path, env: dict, capsys) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("doc", [doc for doc in DOCS if _shell_blocks(doc, runnable=True)], ids=lambda doc: doc.name)
-def test_runnable_blocks_run_as_written(doc, tmp_path, monkeypatch, capsys, pooled):
+def test_runnable_blocks_run_as_written(doc, tmp_path, monkeypatch, capsys, pooled, rank_pool):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "HF_HUB_OFFLINE": "1"}
     monkeypatch.chdir(tmp_path)  # the folder the in-process commands run in too
     with pooled(verify):
         for block in _shell_blocks(doc, runnable=True):
-            code, output = _run_block(block, tmp_path, env, capsys)
+            code, output = _run_block(block, tmp_path, env, capsys, rank_pool)
             assert code == block.expected_exit, (
                 f"{block.where} exited {code}, expected {block.expected_exit}:\n{output}")
 
@@ -126,6 +141,10 @@ def test_a_block_splits_into_bash_and_in_process_steps():
     rest = "neuron-diffusers tiny flux f\nneuron-diffusers plan report --model flux | head\n"
     assert _steps(heredoc + "neuron-diffusers plan check x.py\n" + rest) == [
         ("bash", heredoc), ("here", ["plan", "check", "x.py"]), ("bash", rest)]
+    launch = "torchrun --nproc_per_node=2 -m neuron_diffusers generate \\\n  --prompt 'a fox' --tp 2\n"
+    two_nodes = "torchrun --nnodes=2 --nproc_per_node=2 -m neuron_diffusers generate --tp 2\n"
+    assert _steps(launch + two_nodes) == [("ranks", (2, ["generate", "--prompt", "a fox", "--tp", "2"])),
+                                          ("bash", two_nodes)]
 
 
 def _commands(text: str):

@@ -1,13 +1,12 @@
 """Image inputs from the outside: which classes run a folder, bad requests refused before any weight is read, the
-job's --pipeline / --image / --mask / --strength and prompt-file keys (metadata, digests), the CLI under torchrun,
-and the tiny Qwen-Image-Edit-Plus checkpoint."""
+job's --pipeline / --image / --mask / --strength and prompt-file keys (metadata, digests), the job at TP=2 on pool
+ranks, and the tiny Qwen-Image-Edit-Plus checkpoint."""
 
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 
+import cli_jobs
 import pytest
 import runner_jobs
 import torch
@@ -214,15 +213,14 @@ def test_kontext_job_configuration_gives_stock_latents(kontext_latents, stock_ko
     assert difference < LATENT_TOLERANCE, f"latents differ from stock by {difference:.1e}"
 
 
-def test_kontext_under_torchrun_matches_stock_and_records_its_input(tmp_path, inputs, stock_kontext,
-                                                                   kontext_latents):
-    """The CLI at TP=2 with Kontext's defaults (the input is resized to ~1 MP for the VAE, as stock does): its PNG
-    within one level per value (at most 0.5% differing) of stock's, which another input image falls outside."""
+def test_kontext_job_at_tp2_matches_stock_and_records_its_input(tmp_path, inputs, stock_kontext, kontext_latents,
+                                                                rank_pool):
+    """The job at TP=2 (its body on 2 pool ranks, `cli_jobs.on_pool`) with Kontext's defaults (the input is resized
+    to ~1 MP for the VAE, as stock does): its PNG within one level per value (at most 0.5% differing) of stock's,
+    which another input image falls outside."""
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "neuron_diffusers",
-               "generate", *_kontext_argv(inputs, out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = cli_jobs.on_pool(rank_pool, ["generate", *_kontext_argv(inputs, out)], 2)
+    assert result["code"] == 0, result["err"][-4000:]
     png = Image.open(out / "00000-make-the-fox-red.png")
     assert png.text["pipeline"] == "FluxKontextPipeline" and png.text["tp"] == "2"
     digest = hashlib.sha256((inputs / "in.png").read_bytes()).hexdigest()

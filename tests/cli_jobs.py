@@ -1,0 +1,46 @@
+"""`neuron-diffusers ARGV` on the session's pool ranks: the command's own body (`cli.main`, the same parser and job) on
+as many gloo ranks as `torchrun --nproc_per_node=N` would start, minus the launcher's interpreter starts.
+
+What torchrun itself adds (its environment, SIGTERM, exit codes, a dead rank) is tested with real launches elsewhere:
+.ci/run's README command, tests/test_cli.py's killed rank, tests/test_multinode*.py, tests/test_serve.py. Here the
+job runs on ranks whose process group outlives it, so its last two steps are held back: `leave_together` becomes a
+barrier (the store keys it sets would be stale for the next job) and the group is not destroyed (the pool's next job
+needs it). Its output is captured per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+
+def run_cli(argv: list[str], cwd: str | None = None) -> dict:
+    """This rank's `neuron-diffusers ARGV` run in `cwd`: {"code", "out", "err"} (argparse's exits included)."""
+    import torch.distributed as dist
+
+    from neuron_diffusers import cli, job
+
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    with contextlib.ExitStack() as undo:
+        undo.callback(os.chdir, before)
+        undo.callback(setattr, dist, "destroy_process_group", dist.destroy_process_group)
+        undo.callback(setattr, job, "leave_together", job.leave_together)
+        dist.destroy_process_group = lambda *args, **kwargs: None
+        job.leave_together = lambda timeout_s=None: dist.barrier() or True
+        os.chdir(cwd or before)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(argv)
+            except SystemExit as leaving:
+                code = leaving.code if isinstance(leaving.code, int) else int(leaving.code is not None)
+    return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+
+
+def on_pool(rank_pool, argv: list[str], ranks: int, cwd=None, timeout_s: float = 600.0) -> dict:
+    """`neuron-diffusers ARGV` on `ranks` pool ranks, as a torchrun launch reports it: the highest rank's exit code
+    wins as torchrun's does (any failing rank fails the launch), stdout and stderr of every rank in rank order."""
+    results = rank_pool.run(run_cli, ranks, list(argv), None if cwd is None else str(cwd), timeout_s=timeout_s)
+    return {"code": max(result["code"] for result in results),
+            "out": "".join(result["out"] for result in results),
+            "err": "".join(result["err"] for result in results)}
