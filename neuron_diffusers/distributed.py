@@ -207,22 +207,64 @@ def init_distributed(tp: int | None = None, *, ulysses: int = 1, ring: int = 1, 
     return init_device_mesh(runtime.device_type, tuple(sizes[name] for name in names), mesh_dim_names=names)
 
 
+#: Where global rank 0 of each torchrun attempt publishes "<attempt>:<port>" of that attempt's own store, in the agent's
+#: store; and the count of attempts so far, the group's restarts.
+_ATTEMPT_KEY, _ATTEMPTS_KEY = "neuron_diffusers/attempt", "neuron_diffusers/attempts"
+#: How long one try to reach a published attempt store waits: a killed attempt's store refuses at once.
+_ATTEMPT_CONNECT_S = 2.0
+_group_restarts: int | None = None
+
+
 def _attempt_store(runtime: Runtime, timeout: timedelta) -> dict:
-    """Under torchrun's agent store, the group's store for this restart attempt only (keyword arguments of
+    """Under torchrun's agent store, a store of this restart attempt's own (keyword arguments of
     `init_process_group`; empty elsewhere, where the env:// default does).
 
     torch 2.14's workers connect straight to the agent's TCP store, which outlives a group across
     `--max-restarts`: keys a killed attempt left (gloo's peer addresses, a half-entered call of ours) would pair the
-    restarted ranks with the dead ones (measured: "Connection refused" at the first new subgroup). So every key of
-    the group goes under `TORCHELASTIC_RESTART_COUNT`.
+    restarted ranks with the dead ones (measured: "Connection refused" at the first new subgroup). A prefix per
+    `TORCHELASTIC_RESTART_COUNT` is not enough across nodes: only the agent whose worker failed counts a restart, the
+    others restart on the membership change with their count unchanged (measured: node 1 waited for
+    `attempt_1` keys while node 0 wrote `attempt_0`). So rank 0 of each attempt serves a fresh store beside the
+    agent's, on node 0 where the agent's store is, and publishes its port there; the others connect to it.
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+    global _group_restarts
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return {}
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), runtime.world_size,
-                          is_master=False, timeout=timeout)
-    return {"store": dist.PrefixStore(f"neuron_diffusers/attempt_{attempt}", agent), "rank": runtime.rank,
-            "world_size": runtime.world_size}
+    host = os.environ["MASTER_ADDR"]
+    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), runtime.world_size, is_master=False, timeout=timeout)
+    if runtime.rank == 0:
+        store = dist.TCPStore(host, 0, runtime.world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        _group_restarts = agent.add(_ATTEMPTS_KEY, 1) - 1
+        agent.set(_ATTEMPT_KEY, f"{_group_restarts}:{store.port}")
+    else:
+        _group_restarts, store = _join_attempt(agent, host, runtime.world_size, timeout)
+    return {"store": store, "rank": runtime.rank, "world_size": runtime.world_size}
+
+
+def _join_attempt(agent, host: str, world_size: int, timeout: timedelta) -> tuple[int, dist.TCPStore]:
+    """(attempt, store) that rank 0 of this attempt published. What is published may still be a killed attempt's,
+    whose store is gone with its rank 0 (the connection is refused): read again until this attempt's is there."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        agent.wait([_ATTEMPT_KEY])
+        attempt, port = agent.get(_ATTEMPT_KEY).decode().split(":")
+        try:
+            store = dist.TCPStore(host, int(port), world_size, is_master=False,
+                                  timeout=timedelta(seconds=_ATTEMPT_CONNECT_S))
+        except dist.DistError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+            continue
+        store.set_timeout(timeout)
+        return int(attempt), store
+
+
+def group_restarts() -> int:
+    """How many times torchrun restarted this process group (0: its first start, or not under torchrun)."""
+    if _group_restarts is not None:
+        return _group_restarts
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def mesh_layout(world_size: int, *, tp: int, ulysses: int = 1, ring: int = 1, cfg: int = 1, order=AUTO_ORDER,

@@ -54,6 +54,7 @@ from .distributed import (
     check_cp_degrees,
     default_store,
     detect_runtime,
+    group_restarts,
     image_group,
     init_distributed,
     is_group_leader,
@@ -811,7 +812,7 @@ def _summary(plan: JobPlan, mesh, gathered: list, compile_info: dict | None) -> 
         "mesh": {"dims": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "world_size": plan.world_size,
                  "nodes": detect_nodes(plan.world_size).count},
         # torchrun --max-restarts: how many times the agent restarted the group before this run (0: first attempt).
-        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "restarts": group_restarts(),
         "dtype": plan.dtype,
         "plan": plan.tp_plan,
         "loras": plan.loras,

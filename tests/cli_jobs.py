@@ -1,5 +1,6 @@
-"""`neuron-diffusers ARGV` on the session's pool ranks: the command's own body (`cli.main`, the same parser and job) on
-as many gloo ranks as `torchrun --nproc_per_node=N` would start, minus the launcher's interpreter starts.
+"""`neuron-diffusers ARGV` (or a sample script) on the session's pool ranks: the command's own body (`cli.main`, the
+same parser and job) on as many gloo ranks as `torchrun --nproc_per_node=N` would start, minus the launcher's
+interpreter starts.
 
 What torchrun itself adds (its environment, SIGTERM, exit codes, a dead rank) is tested with real launches elsewhere:
 .ci/run's README command, tests/test_cli.py's killed rank, tests/test_multinode*.py, tests/test_serve.py. Here the
@@ -15,8 +16,20 @@ import io
 import os
 
 
-def run_cli(argv: list[str], cwd: str | None = None) -> dict:
-    """This rank's `neuron-diffusers ARGV` run in `cwd`: {"code", "out", "err"} (argparse's exits included)."""
+def _restore_environment(previous: dict) -> None:
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def run_cli(argv: list[str], cwd: str | None = None, script: str | None = None, env: dict | None = None) -> dict:
+    """This rank's `neuron-diffusers ARGV` (or `python SCRIPT ARGV`) run in `cwd` with `env` added:
+    {"code", "out", "err"} (argparse's exits included)."""
+    import runpy
+    import sys
+
     import torch.distributed as dist
 
     from neuron_diffusers import cli, job
@@ -26,21 +39,32 @@ def run_cli(argv: list[str], cwd: str | None = None) -> dict:
         undo.callback(os.chdir, before)
         undo.callback(setattr, dist, "destroy_process_group", dist.destroy_process_group)
         undo.callback(setattr, job, "leave_together", job.leave_together)
+        undo.callback(setattr, sys, "argv", sys.argv)
+        undo.callback(_restore_environment, {name: os.environ.get(name) for name in env or {}})
+        os.environ.update(env or {})
         dist.destroy_process_group = lambda *args, **kwargs: None
         job.leave_together = lambda timeout_s=None: dist.barrier() or True
         os.chdir(cwd or before)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                code = cli.main(argv)
+                if script is None:
+                    code = cli.main(argv)
+                else:
+                    sys.argv = [script, *argv]
+                    runpy.run_path(script, run_name="__main__")
+                    code = 0
             except SystemExit as leaving:
                 code = leaving.code if isinstance(leaving.code, int) else int(leaving.code is not None)
     return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
 
 
-def on_pool(rank_pool, argv: list[str], ranks: int, cwd=None, timeout_s: float = 600.0) -> dict:
-    """`neuron-diffusers ARGV` on `ranks` pool ranks, as a torchrun launch reports it: the highest rank's exit code
-    wins as torchrun's does (any failing rank fails the launch), stdout and stderr of every rank in rank order."""
-    results = rank_pool.run(run_cli, ranks, list(argv), None if cwd is None else str(cwd), timeout_s=timeout_s)
+def on_pool(rank_pool, argv: list[str], ranks: int, cwd=None, timeout_s: float = 600.0, script=None,
+            env: dict | None = None) -> dict:
+    """`neuron-diffusers ARGV` (or `python SCRIPT ARGV`) on `ranks` pool ranks, as a torchrun launch reports it:
+    the highest rank's exit code wins as torchrun's does (any failing rank fails the launch), stdout and stderr of
+    every rank in rank order."""
+    results = rank_pool.run(run_cli, ranks, list(argv), None if cwd is None else str(cwd),
+                            None if script is None else str(script), env, timeout_s=timeout_s)
     return {"code": max(result["code"] for result in results),
             "out": "".join(result["out"] for result in results),
             "err": "".join(result["err"] for result in results)}

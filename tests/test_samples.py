@@ -1,9 +1,10 @@
 """Every script in samples/ runs offline on its tiny checkpoint and writes a valid PNG (MiniMax-H3: MP4 + WAV; Wan:
 MP4).
 
-Each interpreter start costs seconds of imports, so only FLUX.1 runs tensor-parallel under torchrun (2 CPU ranks
-over gloo); the others run as plain one-process scripts, which the same scripts support, one after another in one
-offline interpreter (`sample_runner.py`: each as `__main__` with its own argv, cwd and captured output).
+Each interpreter start costs seconds of imports, so only FLUX.1 runs tensor-parallel, on 2 of the session's gloo
+ranks (`cli_jobs.on_pool`: the script as `__main__` on each, as torchrun would start it); the others run as plain
+one-process scripts, which the same scripts support, one after another in one offline interpreter
+(`sample_runner.py`: each as `__main__` with its own argv, cwd and captured output).
 Qwen-Image-2.1 runs with true CFG and `--compile aot_eager`, its length buckets included, so the compile path of the
 samples is exercised too.
 """
@@ -16,6 +17,7 @@ import sys
 import wave
 from pathlib import Path
 
+import cli_jobs
 import numpy as np
 import pytest
 from PIL import Image
@@ -42,13 +44,6 @@ def _offline(**env) -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", **env}  # tiny checkpoints come from the hermetic cache (conftest.py)
 
 
-def _torchrun(script: str, out: Path, extra: list[str], ranks: int, **env) -> subprocess.CompletedProcess:
-    # --standalone: torchrun picks a free port, so concurrent runs on one machine do not collide
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    return subprocess.run([*launcher, str(SAMPLES / script), "--out", str(out), *extra], cwd=out.parent,
-                          env=_offline(**env), capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def plain_runs(tmp_path_factory) -> dict:
     """Every one-process sample, run in one offline interpreter: script -> (its folder, its CompletedProcess)."""
@@ -69,8 +64,11 @@ def test_sample_runs_offline_and_writes_valid_media(request, tmp_path_factory, s
     if ranks:
         tmp_path = tmp_path_factory.mktemp(family)
         # The multi-rank run starts from an empty cache, so its ranks build the tiny model on first use, as a user's.
-        result = _torchrun(script, tmp_path / name, extra, ranks,
-                           NEURON_DIFFUSERS_CACHE=str(tmp_path_factory.mktemp("cold-cache")))
+        launch = cli_jobs.on_pool(request.getfixturevalue("rank_pool"), ["--out", str(tmp_path / name), *extra],
+                                  ranks, cwd=tmp_path, script=SAMPLES / script, env={
+                                      "HF_HUB_OFFLINE": "1",
+                                      "NEURON_DIFFUSERS_CACHE": str(tmp_path_factory.mktemp("cold-cache"))})
+        result = subprocess.CompletedProcess([script], launch["code"], launch["out"], launch["err"])
     else:
         tmp_path, result = request.getfixturevalue("plain_runs")[script]
     out = tmp_path / name

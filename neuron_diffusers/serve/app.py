@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import time
 
 from fastapi import FastAPI, Request
@@ -29,6 +28,7 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 
+from ..distributed import group_restarts
 from .files import ImageFiles
 from .metrics import Metrics
 from .request import MAX_IMAGES, MAX_UPLOAD_BYTES, EditRequest, ImageRequest, ServeConfig, Upload, Work, plan_work
@@ -130,7 +130,7 @@ def _add_probes(app: FastAPI, config: ServeConfig, scheduler: Scheduler, metrics
         if scheduler.failure:
             return error(503, f"unhealthy: {scheduler.failure}", "unhealthy", error_type="server_error")
         # torchrun --max-restarts: how many times the agent restarted this group (0: the first start).
-        return {"status": "ok", "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        return {"status": "ok", "restarts": group_restarts()}
 
     @app.get("/ready")
     async def ready():
