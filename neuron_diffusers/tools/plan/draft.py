@@ -170,7 +170,10 @@ def coverage_markdown(rows: list[dict], meta: dict) -> str:
              "1e-5; processors that call SDPA themselves routed through diffusers' dispatch, "
              "`compat/attention_route.py`); the stock `_cp_plan` composes with the drafted TP plan "
              f"for {sum(bool(r['cp_stock']['plan']) for r in stock)} of the {len(stock)} verified classes that ship "
-             "one. TP=8: per-rank parameters of the full-size default config against total / 8 (1.000 x is ideal), "
+             "one. A stock pipeline on one of these classes runs through `load_pipeline` / `generate` on a drafted "
+             "TP plan (the shipped verified one where its checkpoint drafts to it) and, under context parallelism, "
+             "only on a CP plan this table verified, attention routed as here (docs/usage.md). TP=8: per-rank "
+             "parameters of the full-size default config against total / 8 (1.000 x is ideal), "
              "and all-reduces (AR) + all-gathers (AG) per forward. Where a family has a hand plan it stays the "
              "default: it hoists the modulation into one all-gather and reduces dual-stream pairs together (fewer "
              "collectives in the hand plan column).", "",
