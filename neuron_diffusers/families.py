@@ -92,6 +92,14 @@ class Family:
         """Our context-parallel plan (`CP_PLAN`) for a class diffusers ships none for; None: stock's, if any."""
         return getattr(self.plan_module, "CP_PLAN", None)
 
+    #: Whether attention processors that bypass diffusers' dispatch are routed through it under context parallelism
+    #: (drafted families whose verified CP plan needs it; the five families' processors all use dispatch).
+    routes_attention = False
+
+    def check_context_parallel(self) -> None:
+        """Refuse context parallelism where the family cannot run it, before any weight is read (the registered
+        families: their plans are proven by their tests, and compat refuses a class with no `_cp_plan`)."""
+
     @property
     def cp_quirks(self) -> ModuleType | None:
         """The hooks a class whose attention stock context parallelism cannot split as is needs under it (the

@@ -221,6 +221,7 @@ def runner_mode(checkpoint: Checkpoint, buckets: tuple[int, ...], ulysses: int, 
     diffusers' `*_anything` modes: any length means no static shapes, so every new length would recompile."""
     if ulysses * ring == 1:
         return None
+    checkpoint.family.check_context_parallel()
     name, adapter = checkpoint.family.display_name, checkpoint.adapter
     # Qwen-Image-2.1's text is padded by its buckets alone: without them, any length (`ulysses_anything`).
     text = "none" if adapter.cp_block_causal and not buckets else adapter.cp_text

@@ -46,7 +46,7 @@ from .batching import (
     unstack_calls,
 )
 from .checkpoint import Checkpoint, set_drafter
-from .compat.plans import record_tp_plan, using_plan
+from .compat.plans import record_tp_plan, using_cp_plan, using_plan
 from .compile import compile_repeated_blocks
 from .consistency import ENTRY_TIMEOUT_S, CallEntry, LatentAgreement, agree, raise_agreed, shareable
 from .distributed import (
@@ -597,8 +597,11 @@ class _Recipe:
 
     def _sharded(self, component: str) -> torch.nn.Module:
         parallel = _parallel_config(self.mesh, self.mode)
-        cls, tp_plan = self.checkpoint.transformer_class(), self.spec.tp_plan
-        with using_plan(cls, tp_plan):
+        cls, tp_plan, family = self.checkpoint.transformer_class(), self.spec.tp_plan, self.checkpoint.family
+        # Under context parallelism, a drafted family's verified CP plan (and the attention routing it was proven
+        # with); the registered families' plans are the class's own.
+        cp = (family.cp_plan, family.routes_attention) if self.mode is not None else (None, False)
+        with using_plan(cls, tp_plan), using_cp_plan(cls, *cp):
             model = cls.from_pretrained(self.checkpoint.path, subfolder=component, dtype=self.torch_dtype, **parallel)
         record_tp_plan(model, tp_plan)
         return model if parallel else model.to(self.device)

@@ -45,6 +45,33 @@ def generic_checks(checkpoints: dict, calls: dict) -> dict:
     return report
 
 
+def generic_cp_checks(checkpoint, call: dict) -> dict:
+    """On 4 ranks, one pipeline at tp=2 x ulysses=2 on its drafted TP plan and its verified CP plan: the latents of
+    `PROMPT` and of the control prompt (seed 0), how many attention processors are routed through diffusers' dispatch
+    and hold the parallel config, and what a call whose text does not split says."""
+    from rank_cases import one_thread, record
+
+    import neuron_diffusers as nd
+    from neuron_diffusers.compat.attention_route import is_routed
+
+    report = {}
+    with one_thread():
+        pipe = nd.load_pipeline(checkpoint, nd.init_distributed(tp=2, ulysses=2))
+        for label, prompt in (("latents", PROMPT), ("control", CONTROL_PROMPT)):
+            made = record(report, label, pipe.generate, prompt, seed=0, output_type="latent", **call)
+            report[label] = made[0].cpu() if isinstance(made, list) else made
+        processors = [m.processor for m in pipe.adapter.transformer_of(pipe.pipe).modules() if hasattr(m, "processor")]
+        # (routed and holding the parallel config, all of them): every joint attention of SD3 calls SDPA itself.
+        report["routed"] = (sum(is_routed(p) and p._parallel_config is not None for p in processors), len(processors))
+        odd = {k: v for k, v in call.items() if k != "max_sequence_length"}
+        try:
+            pipe.generate(PROMPT, seed=0, output_type="latent", **odd)
+            report["odd_text"] = "accepted"
+        except ValueError as error:
+            report["odd_text"] = str(error)
+    return report
+
+
 def _refusals(pipe, call: dict) -> dict:
     """What `generate` says, on every rank, to inputs it owns: embeddings, and several outputs per prompt."""
     refused = {}

@@ -88,3 +88,6 @@ def test_only_attention_in_the_region_the_plan_splits_is_routed():
     assert route_attention(model, plan) == 1
     assert needs_route(model.refiner) and not needs_route(model.blocks[0])
     assert route_attention(model, {"": {"hidden_states": object()}}) == 1  # forward inputs split: everything
+    # A list named by an empty rule (it takes the split sequence on: `drafting/context.py`) is routed too.
+    model.single = torch.nn.ModuleList([_attention(AttnProcessor2_0())])
+    assert route_attention(model, {**plan, "single.0": {}}) == 1 and not needs_route(model.single[0])

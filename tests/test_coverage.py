@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from neuron_diffusers.drafting import draft_plan, shipped
+from neuron_diffusers.drafting.context import plan_text
 from neuron_diffusers.drafting.coverage import transformer_classes
 from neuron_diffusers.drafting.proof import verify_drafts
 from neuron_diffusers.drafting.tiny import DEFAULT_CONFIG_GAPS, UNCONFIRMED_GAPS, tiny_case
@@ -129,3 +130,33 @@ def test_the_generic_adapter_loads_the_shipped_plan_where_the_checkpoint_drafts_
     monkeypatch.setattr(shipped, "shipped", lambda: {"plans": plans})
     family = drafted_family(diffusers.CogView4Pipeline, tmp_path / "transformer")
     assert not family.verified and shipped.plan_text(family.drafted) != {"to_q": '"colwise"'}
+
+
+def test_the_shipped_cp_plans_are_the_ones_verified_at_tp2_ulysses2_in_the_table(table):
+    """Each shipped class names the CP plan that matched one process at tp=2 x ulysses=2 (drafted, or "stock"), or
+    why none did; the drafted ones read back as the entries the table wrote, and nothing else is read as code."""
+    verified = _verified(table)
+    for name, entry in shipped.shipped()["plans"].items():
+        row = verified[name]
+        if (row.get("cp") or {}).get("plan"):
+            assert entry["cp_plan"] == row["cp_candidates"][row["cp"]["plan"]], name
+            plan, miss = shipped.verified_cp_plan(name)
+            assert miss is None and plan_text(plan) == entry["cp_plan"], name
+        elif (row.get("cp_stock") or {}).get("plan"):
+            assert entry["cp_plan"] == "stock" and shipped.verified_cp_plan(name) == ("stock", None), name
+        else:
+            assert "cp_plan" not in entry and shipped.verified_cp_plan(name) == (None, row["cp_miss"]), name
+    assert shipped.verified_cp_plan("UNet2DConditionModel")[0] is None
+    with pytest.raises(ValueError, match="not an entry a context-parallel plan holds"):
+        shipped.cp_plan_from_text({"proj_out": "__import__('os').system('true')"})
+
+
+def test_a_gather_at_the_tiny_last_block_moves_to_the_checkpoints_last_block():
+    plan, _ = shipped.verified_cp_plan("StableAudio3DiTModel")  # gathered at `transformer_blocks.1` of 2 tiny blocks
+    assert "transformer_blocks.1" in plan
+    with torch.device("meta"):
+        model = diffusers.StableAudio3DiTModel.from_config(
+            {**shipped.shipped()["plans"]["StableAudio3DiTModel"]["tiny_config"], "depth": 5})
+    fitted = shipped.fitted(plan, model)
+    assert "transformer_blocks.4" in fitted and "transformer_blocks.1" not in fitted
+    assert fitted["transformer_blocks.0"] == plan["transformer_blocks.0"]  # the first block's split stays

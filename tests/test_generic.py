@@ -41,9 +41,10 @@ def reports(checkpoints, rank_pool):
     return rank_pool.run(generic_jobs.generic_checks, 2, checkpoints, calls, timeout_s=900)
 
 
-def stock_latents(checkpoint, name: str, prompt: str) -> torch.Tensor:
+def stock_latents(checkpoint, name: str, prompt: str, call: dict | None = None) -> torch.Tensor:
     """The stock pipeline, alone in this process, loaded back with its own `from_pretrained`."""
-    _, cls, call = PIPELINES[name]
+    _, cls, default = PIPELINES[name]
+    call = default if call is None else call
     torch.set_num_threads(1)
     pipe = cls.from_pretrained(checkpoint)
     pipe.set_progress_bar_config(disable=True)
@@ -95,6 +96,34 @@ def test_inputs_generate_owns_are_refused_on_every_rank(reports):
         assert "encodes each prompt once on the group leader" in refused["prompt_embeds"]
         assert "repeat the prompt" in refused["num_images_per_prompt"]
         assert "`num_videos_per_prompt`: repeat the prompt" in refused["num_videos_per_prompt"]
+
+
+#: SD3 under context parallelism: its joint attention splits the text with the image, and the text is CLIP's 77
+#: positions plus T5's `max_sequence_length`: 77 + 19 = 96 splits over ulysses=2 (the default 256 does not).
+CP_CALL = {**PIPELINES["sd3"][2], "max_sequence_length": 19}
+
+
+@pytest.fixture(scope="module")
+def cp_report(checkpoints, rank_pool):
+    return rank_pool.run(generic_jobs.generic_cp_checks, 4, checkpoints["sd3"], CP_CALL, timeout_s=900)
+
+
+def test_tp2_ulysses2_generate_on_routed_attention_equals_stock_single_process_latents(checkpoints, cp_report):
+    """SD3's joint attention calls SDPA itself: the runner routes it through diffusers' dispatch (as the coverage
+    table's proof does), so Ulysses splits it; the leader's latents equal one stock process, and another prompt moves
+    them by far more than the tolerance."""
+    reference = stock_latents(checkpoints["sd3"], "sd3", PROMPT, CP_CALL)
+    latents, control = case(cp_report, "latents"), case(cp_report, "control")
+    assert latents[1:] == [None] * 3 and control[1:] == [None] * 3  # the replica's leader returns the outputs
+    assert (latents[0] - reference).abs().max().item() < TOLERANCE
+    assert (control[0] - reference).abs().max().item() > 100 * TOLERANCE
+    for routed, processors in case(cp_report, "routed"):
+        assert routed == processors == 2  # both blocks' attention, through dispatch, with the parallel config
+
+
+def test_a_text_length_that_does_not_split_is_named_on_every_rank(cp_report):
+    for message in case(cp_report, "odd_text"):
+        assert "encoder_hidden_states" in message and "333" in message, message
 
 
 def test_the_job_writes_the_image_and_the_video(checkpoints, rank_pool, tmp_path):
@@ -170,3 +199,31 @@ def test_the_job_refuses_a_degree_the_drafted_plan_does_not_split(checkpoints, t
         ChromaTransformer2DModel().save_config(folder / "transformer")
     generate_refuses(["--model", str(folder), "--prompt", "a fox", "--tp", "3"],
                      "splits evenly over 1, 2, 4, 8 ranks only, not tp=3")
+
+
+def test_context_parallelism_is_refused_before_any_weight_where_no_cp_plan_was_verified(tmp_path, monkeypatch,
+                                                                                        checkpoints):
+    # Sana's linear attention has no SDPA call to route: no CP plan matched one process, and the table says why.
+    import safetensors
+
+    from neuron_diffusers.checkpoint import resolve
+    from neuron_diffusers.launch import runner_mode
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a weight file was opened")
+
+    monkeypatch.setattr(safetensors, "safe_open", no_reading)
+    folder = _json_only_folder(tmp_path, "SanaPipeline", "transformer", "SanaTransformer2DModel")
+    index = json.loads((folder / "model_index.json").read_text())
+    index.update(tokenizer=["transformers", "GemmaTokenizer"], text_encoder=["transformers", "Gemma2Model"],
+                 vae=["diffusers", "AutoencoderDC"], scheduler=["diffusers", "DPMSolverMultistepScheduler"])
+    (folder / "model_index.json").write_text(json.dumps(index))
+    sana = resolve(folder)
+    assert runner_mode(sana, (), 1, 1, False) is None  # tensor parallelism alone runs
+    with pytest.raises(ValueError, match="SanaPipeline .drafted plan. cannot run with context parallelism .*"
+                                         "SanaLinearAttnProcessor2_0 computes attention without scaled_dot_product"):
+        runner_mode(sana, (), 2, 1, False)
+    # Control: SD3's joint attention is routed, and its verified CP plan runs (tp2 x ulysses2 above).
+    sd3 = resolve(str(checkpoints["sd3"]))
+    assert runner_mode(sd3, (), 2, 1, False) is not None
+    assert sd3.family.routes_attention and "transformer_blocks.0" in sd3.family.cp_plan

@@ -5,6 +5,7 @@ import diffusers
 import pytest
 import torch
 from diffusers.hooks.tensor_parallel import PackedRowwiseParallel
+from diffusers.models.attention_processor import Attention
 
 from neuron_diffusers.cli import main
 from neuron_diffusers.drafting import draft_plan, proof, tiny
@@ -205,3 +206,59 @@ def test_zero_initialized_weights_are_redrawn_so_the_tiny_output_varies(tmp_path
     monkeypatch.setattr(tiny, "_redraw_zeros", lambda model: None)  # control: as initialized, it is constant
     constant = tiny_case(diffusers.ErnieImageTransformer2DModel, tmp_path / "b")
     assert constant.expected[0].std() == 0
+
+
+class _Joint(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention(query_dim=8, heads=2, dim_head=4)
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        joint = self.attn(torch.cat([encoder_hidden_states, hidden_states], dim=1))
+        return joint[:, :encoder_hidden_states.shape[1]], joint[:, encoder_hidden_states.shape[1]:]
+
+
+class _Single(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attention(query_dim=8, heads=2, dim_head=4)
+
+    def forward(self, hidden_states):
+        return hidden_states + self.attn(hidden_states)
+
+
+class _JointThenSingle(torch.nn.Module):
+    """AuraFlow's shape (joint blocks, then single blocks on their concatenated output), then Latte's (temporal
+    blocks attending over another axis of the tokens, per position)."""
+
+    def __init__(self):
+        super().__init__()
+        self.joint_blocks = torch.nn.ModuleList([_Joint(), _Joint()])
+        self.single_blocks = torch.nn.ModuleList([_Single(), _Single()])
+        self.temporal_blocks = torch.nn.ModuleList([_Single(), _Single()])
+        self.proj_out = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        for block in self.joint_blocks:
+            encoder_hidden_states, hidden_states = block(hidden_states, encoder_hidden_states)
+        tokens = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        for block in self.single_blocks:
+            tokens = block(tokens)
+        frames = tokens[:, encoder_hidden_states.shape[1]:].reshape(3, 2, 8)
+        for block in self.temporal_blocks:
+            frames = block(frames)
+        return self.proj_out(frames.reshape(1, 6, 8))
+
+
+def test_a_later_list_fed_the_split_sequence_is_named_so_its_attention_is_routed():
+    from neuron_diffusers.compat.attention_route import bypassing
+
+    model = _JointThenSingle().eval()
+    drafted = draft_cp_plans(model, {"hidden_states": torch.randn(1, 6, 8),
+                                     "encoder_hidden_states": torch.randn(1, 4, 8)})
+    plan = drafted.candidates["blocks, text split"]
+    assert set(plan_text(plan)["joint_blocks.0"]) == {"hidden_states", "encoder_hidden_states"}
+    assert plan["single_blocks.0"] == {}  # nothing more to split, but it sees the split sequence
+    assert not any(key.startswith("temporal_blocks") for key in plan)  # 2 frames a position: stays local
+    routed = bypassing(model, plan)
+    assert routed == [*(b.attn for b in model.joint_blocks), *(b.attn for b in model.single_blocks)]

@@ -98,6 +98,11 @@ def _routed_class(processor_class: type) -> type:
     return type(f"Dispatched{processor_class.__name__}", (_Routed,), {"__call__": __call__})
 
 
+def is_routed(processor) -> bool:
+    """Whether `processor` is one `route_attention` wrapped."""
+    return isinstance(processor, _Routed)
+
+
 def needs_route(module: torch.nn.Module) -> bool:
     """A diffusers attention module whose processor does not take a parallel config (it bypasses dispatch)."""
     processor = getattr(module, "processor", None)
@@ -112,10 +117,16 @@ def _split_region(model: torch.nn.Module, cp_plan: dict | None) -> list[torch.nn
     return [model] if "" in roots else [getattr(model, root) for root in sorted(roots)]
 
 
+def bypassing(model: torch.nn.Module, cp_plan: dict | None = None) -> list[torch.nn.Module]:
+    """The attention modules in the region `cp_plan` splits whose processors bypass dispatch (on the meta device
+    too: processors are set when a model is built)."""
+    return [module for region in _split_region(model, cp_plan) for module in region.modules() if needs_route(module)]
+
+
 def route_attention(model: torch.nn.Module, cp_plan: dict | None = None) -> int:
     """Wrap every processor that bypasses dispatch in the region `cp_plan` splits (before `enable_parallelism`);
     the number wrapped."""
-    routed = [module for region in _split_region(model, cp_plan) for module in region.modules() if needs_route(module)]
+    routed = bypassing(model, cp_plan)
     for module in routed:
         wrapped = _routed_class(type(module.processor))(module.processor)
         if hasattr(module, "set_processor"):

@@ -14,6 +14,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from ..distributed import mesh_device
 from ..parallel import context as layouts
 from . import plans
+from .attention_route import route_attention
 from .tp_loading import default_tp_device_type
 
 
@@ -125,6 +126,8 @@ _ATTACHED = "_nd_cp_plan"
 def attach_context_parallel(model, config, plan: dict) -> None:
     """Register the CP half of `config` on a model whose TP half (if any) is already applied (gaps 13, 14)."""
     cp = config.context_parallel_config
+    if plans.routes_attention(model):  # before the processors get the config: the routed ones take it too
+        route_attention(model, plan)
     _check_attention_backends(model)
     for processor in processors(model):
         processor._parallel_config = config

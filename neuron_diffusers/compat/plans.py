@@ -33,6 +33,7 @@ class ContextParallelQuirks(Protocol):
 #: Stock's `_tp_plan` of each registered class (None: diffusers ships none), keyed by the class object.
 _STOCK_PLANS: dict[type, dict | None] = {}
 _CP_QUIRKS: dict[type, ContextParallelQuirks] = {}
+_UNSET = object()
 
 
 def register(model_class: type, tp_plan: dict, cp_plan: dict | None = None,
@@ -70,6 +71,36 @@ def record_tp_plan(model: torch.nn.Module, plan: dict) -> None:
 def cp_plan_of(cls) -> dict | None:
     """The context-parallel plan (`_cp_plan`) diffusers splits `cls`'s sequence with (None: the class has none)."""
     return getattr(cls, "_cp_plan", None)
+
+
+#: Classes loaded inside `using_cp_plan(..., route=True)`: their processors that bypass dispatch are routed.
+_ROUTED: set[type] = set()
+
+
+@contextlib.contextmanager
+def using_cp_plan(cls, plan: dict | None, route: bool = False):
+    """Load `cls` under context parallelism with `plan` as its `_cp_plan` inside the block (None: the class's own),
+    and where `route`, its attention processors that call SDPA themselves routed through diffusers' dispatch when the
+    plan is attached (`attention_route.py`): a drafted family's verified plan, which no class attribute holds."""
+    previous = cls.__dict__.get("_cp_plan", _UNSET)
+    if plan is not None:
+        cls._cp_plan = plan
+    if route:
+        _ROUTED.add(cls)
+    try:
+        yield
+    finally:
+        _ROUTED.discard(cls)
+        if previous is _UNSET:
+            if "_cp_plan" in cls.__dict__:
+                del cls._cp_plan
+        else:
+            cls._cp_plan = previous
+
+
+def routes_attention(model: torch.nn.Module) -> bool:
+    """Whether `model` is loaded inside `using_cp_plan(..., route=True)`."""
+    return type(model) in _ROUTED
 
 
 def stock_plan(cls) -> dict | None:

@@ -7,8 +7,9 @@ gathered. One forward in one process shows both: the inputs of each block list's
 output, and the modules called after it.
 An input that every block of a list receives as the same tensor (rotary embeddings, cross-attention text) is split
 at every block (`blocks.*`), so each block gets the matching slice; an input that flows from block to block (the
-hidden states) is split once, at the first block of the first list. Which sequence inputs to split is not always
-readable from the structure (cross-attention text may stay whole; joint attention must split it), so the drafter
+hidden states) is split once, at the first block of the first list; a later list that only takes the split sequence
+on gets an empty rule, so that its attention is routed too (`_flow_marker`). Which sequence inputs to split is not
+always readable from the structure (cross-attention text may stay whole; joint attention must split it), so the drafter
 writes the few candidates the trace allows and the numbers choose (`proof.verify_cp`): the first that equals one
 process at tp=2 x ulysses=2 is the draft.
 """
@@ -147,7 +148,19 @@ def _list_rules(trace_: Trace, name: str, lengths: set[int], with_text: bool, fu
         else:
             continue
         full.add(id(value))
-    return rules
+    return rules or _flow_marker(trace_, name, lengths)
+
+
+def _flow_marker(trace_: Trace, name: str, lengths: set[int]) -> dict:
+    """`{name.0: {}}` for a later list with nothing of its own to split whose blocks take a sequence of a split
+    length (AuraFlow's single blocks take its joint blocks' concatenated output, already split): the empty rule
+    splits nothing, but names the list as one that sees split sequences, so its attention is routed through
+    diffusers' dispatch too (`compat/attention_route.py` routes the lists a plan names). A list fed a sequence of
+    another length (Latte's temporal blocks attend over frames, per split position) stays local."""
+    hidden = _hidden_name(trace_, name)
+    if name == trace_.lists[0] or hidden is None or trace_.calls[name, 0].inputs[hidden].shape[1] not in lengths:
+        return {}
+    return {f"{name}.0": {}}
 
 
 def _output_rule(trace_: Trace, with_text: bool) -> dict | None:

@@ -129,10 +129,22 @@ def coverage(names: list[str] | None = None, log=print, context: bool = True) ->
 
 
 def verified_plans(rows: list[dict]) -> dict:
-    """The package data (`shipped.py`): each TP=2-verified class's plan, its `shard_norms`, the tiny config."""
+    """The package data (`shipped.py`): each TP=2-verified class's plan, its `shard_norms`, the tiny config, and how
+    it runs at tp=2 x ulysses=2 (`_context_entry`)."""
     return {r["class"]: {"plan": r["tiny_plan"], "shard_norms": r["shard_norms"], "tiny_config": r["tiny_config"],
-                         "tp2_diff": r["verified"]["diff"]}
+                         "tp2_diff": r["verified"]["diff"], **_context_entry(r)}
             for r in rows if r.get("verified", {}).get("ok")}
+
+
+def _context_entry(row: dict) -> dict:
+    """`cp_plan`: the drafted CP plan that matched one process at tp=2 x ulysses=2 (as text), or "stock" where only
+    diffusers' `_cp_plan` did; else `cp_miss`, why neither did."""
+    cp, stock = row.get("cp") or {}, row.get("cp_stock") or {}
+    if cp.get("plan"):
+        return {"cp_plan": row["cp_candidates"][cp["plan"]], "cp_diff": cp["tried"][cp["plan"]]["diff"]}
+    if stock.get("plan"):
+        return {"cp_plan": "stock", "cp_diff": stock["tried"]["stock"]["diff"]}
+    return {"cp_miss": row.get("cp_miss") or "no context-parallel plan was verified"}
 
 
 def _cp_entries(pending: dict, rows: dict) -> dict:

@@ -31,9 +31,26 @@ def drafted_family(pipeline_class: type, transformer_folder) -> DraftedFamily:
             f"{name} runs a {type(meta).__name__}, for which no tensor-parallel plan can be drafted: "
             f"{'; '.join(why)}. Write one by hand (docs/authoring.md) and register a family, or run it in one "
             "process with stock diffusers.")
+    context_plan, routes, refusal = _context(meta)
     return DraftedFamily("generic", f"{name} (drafted plan)", "GenericAdapter", pipelines=(PipelineClass(name),),
                          transformer=type(meta).__name__, drafted=draft.plan, degrees=tuple(draft.degrees),
-                         verified=verified)
+                         verified=verified, context_plan=context_plan, routes_attention=routes, cp_refusal=refusal)
+
+
+def _context(meta) -> tuple[dict | None, bool, str | None]:
+    """(the drafted CP plan to load with, None for diffusers' own; whether attention is routed; why the class cannot
+    run context-parallel, or None): what `plan draft --all` verified at tp=2 x ulysses=2 for the class, with the
+    processors that call SDPA themselves routed through diffusers' dispatch (as the proof ran it) where the plan's
+    region holds any. Read from the class and its meta-device module tree: no weight."""
+    from ..compat.attention_route import bypassing
+    from ..compat.plans import cp_plan_of
+    from ..drafting.shipped import fitted, verified_cp_plan
+
+    plan, miss = verified_cp_plan(type(meta).__name__)
+    if plan is None:
+        return None, False, miss
+    plan = cp_plan_of(type(meta)) if plan == "stock" else fitted(plan, meta)
+    return (None if plan is cp_plan_of(type(meta)) else plan), bool(bypassing(meta, plan)), None
 
 
 def _draft(meta):

@@ -52,11 +52,24 @@ class DraftedFamily(Family):
     degrees: tuple[int, ...] = ()
     #: The plan is the one `plan draft --all` verified at TP=2 (shipped in the package), not a fresh draft.
     verified: bool = False
+    #: Context parallelism: the drafted CP plan verified at tp=2 x ulysses=2 for the class (None: diffusers' own
+    #: `_cp_plan`, where that one was verified), whether attention that bypasses diffusers' dispatch is routed
+    #: through it (`compat/attention_route.py`, as in the proof), and why the class cannot run it (None: it can).
+    context_plan: dict | None = field(default=None, hash=False, compare=False)
+    routes_attention: bool = False
+    cp_refusal: str | None = None
 
     @property
     def plan_module(self):
-        """The drafted plan where a family's `tp_plans/<name>.py` would be: `PLAN` and `MODEL_CLASS`."""
-        return SimpleNamespace(PLAN=self.drafted, MODEL_CLASS=self.transformer)
+        """The drafted plans where a family's `tp_plans/<name>.py` would be: `PLAN`, `CP_PLAN` and `MODEL_CLASS`."""
+        return SimpleNamespace(PLAN=self.drafted, CP_PLAN=self.context_plan, MODEL_CLASS=self.transformer)
+
+    def check_context_parallel(self) -> None:
+        if self.cp_refusal is not None:
+            raise ValueError(
+                f"{self.display_name} cannot run with context parallelism (--ulysses / --ring): no context-parallel "
+                f"plan for {self.transformer} matched one process at tp=2 x ulysses=2 in the coverage table "
+                f"(docs/coverage.md): {self.cp_refusal}. Run it with tensor parallelism alone (--tp).")
 
     @property
     def has_tiny(self) -> bool:
