@@ -53,6 +53,8 @@ def _compile_family(mesh, checkpoint, call: dict, load_kwargs: dict, prompts: li
         "new_recompiles": after["recompiles"] - warm["recompiles"],
         "graph_breaks": after["graph_breaks"] - start["graph_breaks"],
         "diff": None if eager is None else _max_output_diff(compiled[0][0], eager[0]),
+        # The last prompt's compiled output against the first's eager one: a control for "diff".
+        "control": None if eager is None or len(prompts) < 2 else _max_output_diff(compiled[-1][0], eager[0]),
     }
 
 

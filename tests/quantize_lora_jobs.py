@@ -56,7 +56,7 @@ def _shards_against_one_process(pipe, checkpoint, kind: str, loras: list) -> dic
     from neuron_diffusers.parallel.quantize import is_quantized, quantized_local
 
     whole = one_process_fused(checkpoint, kind, loras)
-    transformer, unequal, compared = pipe.pipe.transformer, [], 0
+    transformer, unequal, compared = _transformer(pipe), [], 0
     for name in sorted({n for lora in pipe.loras._loaded for n in lora.factors}):
         module = transformer.get_submodule(name)
         if not is_quantized(module):  # a LoRA on a Linear outside the blocks: tested in test_lora.py
@@ -77,7 +77,7 @@ def _memory(pipe) -> dict:
     from neuron_diffusers.parallel.quantize import quantized_local
 
     copies = {n: c for n, c in pipe.loras.base_copies.items() if isinstance(c, QuantizedCopy)}
-    touched = [quantized_local(pipe.pipe.transformer.get_submodule(name)) for name in copies]
+    touched = [quantized_local(_transformer(pipe).get_submodule(name)) for name in copies]
     return {"copies": sum(saved.nbytes for saved in copies.values()),
             "touched_data": sum(data.nbytes for data, _ in touched),
             "touched_scales": sum(scale.nbytes for _, scale in touched),
@@ -86,9 +86,9 @@ def _memory(pipe) -> dict:
 
 def _restore(pipe, base: dict) -> dict:
     """The LoRA fused (how many quantized tensors it changed), then removed: how many equal the base bit for bit."""
-    fused = quantized_tensors(pipe.pipe.transformer)
+    fused = quantized_tensors(_transformer(pipe))
     pipe.set_loras([])
-    restored = quantized_tensors(pipe.pipe.transformer)
+    restored = quantized_tensors(_transformer(pipe))
     return {"tensors": 2 * len(base), "equal_while_fused": _count_equal(base, fused),
             "equal_after_removal": _count_equal(base, restored)}
 
@@ -96,34 +96,47 @@ def _restore(pipe, base: dict) -> dict:
 LORA_CASES = ("outputs", "shards", "memory", "restored")
 
 
-def lora_job(checkpoint, file: str, scale: float, call, kinds=KINDS) -> dict:
-    """At TP=2 on FLUX.1, per kind: the quantized pipeline (`load_pipeline(quantize=...)`), its base tensors kept,
-    the LoRA fused at `scale`: outputs, shards against one process, memory; removed: the base restored."""
+def _transformer(pipe):
+    return pipe.adapter.transformer_of(pipe.pipe)
+
+
+def lora_job(families: dict, scale: float) -> dict:
+    """At TP=2, per family of `families` (`{family: (checkpoint, LoRA file, call, kinds)}`) and kind: the quantized
+    pipeline (`load_pipeline(quantize=...)`), its base tensors kept, the LoRA fused at `scale`: outputs, shards
+    against one process, memory; removed: the base restored. Cases `(family, kind, name)`."""
     import neuron_diffusers as nd
 
     report = {}
     with one_thread():
         mesh = nd.init_distributed(tp=2)
-        for kind in kinds:
-            pipe = record(report, (kind, "outputs"), nd.load_pipeline, checkpoint, mesh, quantize=scheme(kind))
-            if isinstance(pipe, CaseError):
-                report.update({(kind, name): pipe for name in LORA_CASES})
-                continue
-            base = quantized_tensors(pipe.pipe.transformer)
-            pipe.set_loras([(file, scale)])
-            record(report, (kind, "outputs"), outputs, pipe.pipe.transformer, call)
-            record(report, (kind, "shards"), _shards_against_one_process, pipe, checkpoint, kind, [(file, scale)])
-            record(report, (kind, "memory"), _memory, pipe)
-            record(report, (kind, "restored"), _restore, pipe, base)
-            del pipe
-            gc.collect()
+        for family, (checkpoint, file, call, kinds) in families.items():
+            for kind in kinds:
+                _lora_cases(report, (family, kind), mesh, checkpoint, (file, scale), call)
+                gc.collect()
     return report
 
 
-def compile_job(checkpoint, call: dict, kinds, prompts: list, backend: str, loras=None) -> dict:
+def _lora_cases(report: dict, key: tuple, mesh, checkpoint, lora: tuple, call) -> None:
+    import neuron_diffusers as nd
+
+    kind = key[1]
+    pipe = record(report, (*key, "outputs"), nd.load_pipeline, checkpoint, mesh, quantize=scheme(kind))
+    if isinstance(pipe, CaseError):
+        report.update({(*key, name): pipe for name in LORA_CASES})
+        return
+    base = quantized_tensors(_transformer(pipe))
+    pipe.set_loras([lora])
+    record(report, (*key, "outputs"), outputs, _transformer(pipe), call)
+    record(report, (*key, "shards"), _shards_against_one_process, pipe, checkpoint, kind, [lora])
+    record(report, (*key, "memory"), _memory, pipe)
+    record(report, (*key, "restored"), _restore, pipe, base)
+
+
+def compile_job(checkpoint, call: dict, kinds, prompts: list, backend: str, loras=None, others=None) -> dict:
     """At TP=2 on FLUX.1, per kind: the quantized pipeline compiled (`compile_jobs._compile_family`: warm-up with
     recompiles raising, then `prompts`: graphs, breaks, recompiles, the output against eager); with `loras`
-    (`{name: [(file, scale)]}`), `_compiled_switches` instead."""
+    (`{name: [(file, scale)]}`), `_compiled_switches` instead. `others` (`{family: (checkpoint, call, load kwargs,
+    prompts)}`): each family in fp8 through `_compile_family`, its case the family."""
     import neuron_diffusers as nd
 
     report = {}
@@ -136,6 +149,10 @@ def compile_job(checkpoint, call: dict, kinds, prompts: list, backend: str, lora
             else:
                 record(report, kind, _compiled_switches, mesh, checkpoint, call, scheme(kind), prompts, backend,
                        loras)
+            torch._dynamo.reset()
+        for family, (family_checkpoint, family_call, load_kwargs, family_prompts) in (others or {}).items():
+            record(report, family, _compile_family, mesh, family_checkpoint, family_call,
+                   {"quantize": scheme("fp8"), **load_kwargs}, family_prompts, backend, family == "h3")
             torch._dynamo.reset()
     return report
 

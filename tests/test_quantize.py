@@ -136,13 +136,6 @@ def four_ranks(rank_pool, four_rank_calls):
     return rank_pool.run(quantize_jobs.layouts_job, 4, four_rank_calls, TP4_FAMILIES, timeout_s=JOB_TIMEOUT_S)
 
 
-#: Where 1e-5 does not hold, and why: fp8 rounding is discontinuous (3 mantissa bits), so the float32 rounding
-#: differences every layout has upstream (here Ulysses' attention and TP's partial sums) move a few activations
-#: across an fp8 rounding step. FLUX.2 at tp=2 x ulysses=2 differs by 3.1e-4 from one process (both entry points, every
-#: rank); fp8 against unquantized differs by 3.9e-3 there, so 1e-3 still separates them (docs/quantization.md).
-FLIP_TOLERANCE = {("flux2", "tp2xulysses2"): 1e-3, ("flux2", "load_pipeline"): 1e-3}
-
-
 def _four_rank_cases():
     return [(f, layout) for f in FOUR_RANK_FAMILIES for layout in ("tp2xulysses2", "load_pipeline")] + [
         (f, "tp4") for f in TP4_FAMILIES]
@@ -155,10 +148,9 @@ def test_fp8_on_four_ranks_equals_one_process(four_rank_calls, four_ranks, famil
     checkpoint, args, kwargs = four_rank_calls[family]
     one_process = quantize_jobs.quantized_predictions(checkpoint, quantize_jobs.scheme(family, "fp8"), args, kwargs)
     unquantized = quantize_jobs.quantized_predictions(checkpoint, None, args, kwargs)
-    tolerance = FLIP_TOLERANCE.get((family, layout), TOLERANCE)
     diffs = [_max_diff(outputs, one_process) for outputs in case(four_ranks, (family, layout))]
-    assert max(diffs) < tolerance
-    assert _max_diff(one_process, unquantized) > tolerance
+    assert max(diffs) < TOLERANCE
+    assert _max_diff(one_process, unquantized) > TOLERANCE
 
 
 #: The five families of issue 30 at full size (meta device): fp8 per rank at TP=8 at most this share of bf16.

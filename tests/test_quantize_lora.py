@@ -1,11 +1,13 @@
-"""Quantized shards (issue 30) with LoRAs, compiled, and served, on tiny FLUX.1 at TP=2 (float32 compute).
+"""Quantized shards (issue 30) with LoRAs, compiled, and served, at TP=2 on the tiny models (float32 compute).
 
-- A LoRA fused into fp8 (and int8) shards at TP=2 gives the output of one process with the same LoRA fused into the
-  same quantized model, within 1e-5; the same LoRA at another scale moves that output by more (the control). Each
-  fused shard is the one-process fused weight's slice bit for bit, and removing the LoRA gives back every quantized
-  tensor and scale bit for bit (while fused they differ: the control).
-- Compiled under quantization (`aot_eager` for fp8 and int8, `inductor` for fp8): no graph break, and no recompile
-  after warm-up over prompts and LoRA switches (in place); each LoRA set's latents equal eager's.
+- A LoRA fused into fp8 shards (FLUX.1: and int8) at TP=2, for FLUX.1, FLUX.2, Qwen-Image, Qwen-Image-2.1 and
+  MiniMax-H3, gives the output of one process with the same LoRA fused into the same quantized model, within 1e-5;
+  the same LoRA at another scale moves that output by more (the control). Each fused shard is the one-process fused
+  weight's slice bit for bit, and removing the LoRA gives back every quantized tensor and scale bit for bit (while
+  fused they differ: the control).
+- Compiled under quantization on FLUX.1 (`aot_eager` for fp8 and int8, `inductor` for fp8): no graph break, and no
+  recompile after warm-up over prompts and LoRA switches (in place); each LoRA set's latents equal eager's. The other
+  four families in fp8 on `aot_eager` (no LoRA): no graph break, no recompile after warm-up, compiled equals eager.
 - `generate --quantize` and the server's path for `serve --quantize` (its planning, request checks and replica loop,
   minus HTTP) make the same PNG; another seed's differs (the control).
 
@@ -19,6 +21,7 @@ import lora_files
 import numpy as np
 import pytest
 import quantize_lora_jobs as jobs
+from lora_jobs import OTHER_FAMILIES
 from PIL import Image
 from rank_cases import case
 
@@ -26,6 +29,7 @@ from neuron_diffusers import tiny
 from neuron_diffusers.checkpoint import resolve
 from neuron_diffusers.cli import _parser
 from neuron_diffusers.job import plan_job
+from neuron_diffusers.parallel.lora import lora_loader
 from neuron_diffusers.tools.plan.cases import reference_call
 
 RANK, ALPHA, SCALE, OTHER_SCALE = 4, 8.0, 0.6, 1.0
@@ -48,63 +52,86 @@ def call(checkpoint):
     return reference_call(checkpoint, "flux")[:2]
 
 
+def _transformer(checkpoint):
+    return resolve(checkpoint).transformer_class().from_pretrained(checkpoint, subfolder="transformer")
+
+
 @pytest.fixture(scope="module")
 def lora_file(checkpoint, tmp_path_factory):
     """A LoRA on every Linear of FLUX.1 (the blocks' quantized ones and the unquantized ones outside), PEFT keys with
     network alphas."""
-    transformer = resolve(checkpoint).transformer_class().from_pretrained(checkpoint, subfolder="transformer")
-    state = lora_files.factors(lora_files.linears(transformer), RANK, seed=1)
+    state = lora_files.factors(lora_files.linears(_transformer(checkpoint)), RANK, seed=1)
     return lora_files.save_peft(tmp_path_factory.mktemp("qlora") / "lora.safetensors", state, alpha=ALPHA)
 
 
+#: FLUX.1 in fp8 and int8; the other families of issue 30 in fp8, each with a LoRA on every Linear written by its
+#: pipeline's own `save_lora_weights` (as tests/test_lora.py makes them).
+LORA_CASES = [("flux", "fp8"), ("flux", "int8"), *((family, "fp8") for family in OTHER_FAMILIES)]
+
+
 @pytest.fixture(scope="module")
-def one_process(checkpoint, call, lora_file):
-    """`one_process(kind, scale)` → one process's output with the LoRA at `scale` fused into the quantized model."""
+def lora_setups(tiny_checkpoint, checkpoint, call, lora_file, tmp_path_factory):
+    """Per family: (checkpoint, its LoRA file, its first transformer call, its kinds)."""
+    root = tmp_path_factory.mktemp("qlora_families")
+    setups = {"flux": (checkpoint, lora_file, call, [k for f, k in LORA_CASES if f == "flux"])}
+    for family in OTHER_FAMILIES:
+        path = str(tiny_checkpoint(family))
+        state = lora_files.factors(lora_files.linears(_transformer(path)), RANK, seed=1)
+        file = lora_files.save_diffusers(lora_loader(resolve(path).adapter), root / family, state, RANK, ALPHA)
+        setups[family] = (path, file, reference_call(path, family)[:2], ["fp8"])
+    return setups
+
+
+@pytest.fixture(scope="module")
+def one_process(lora_setups):
+    """`one_process(family, kind, scale)` → one process's output with the family's LoRA at `scale` fused into the
+    quantized model."""
     made = {}
 
-    def get(kind, scale):
-        if (kind, scale) not in made:
-            model = jobs.one_process_fused(checkpoint, kind, [(lora_file, scale)])
-            made[kind, scale] = jobs.outputs(model, call)
-        return made[kind, scale]
+    def get(family, kind, scale):
+        if (family, kind, scale) not in made:
+            checkpoint, file, call, _ = lora_setups[family]
+            model = jobs.one_process_fused(checkpoint, kind, [(file, scale)])
+            made[family, kind, scale] = jobs.outputs(model, call)
+        return made[family, kind, scale]
 
     return get
 
 
 @pytest.fixture(scope="module")
-def lora_reports(checkpoint, call, lora_file, rank_pool):
-    return rank_pool.run(jobs.lora_job, 2, checkpoint, lora_file, SCALE, call, timeout_s=900)
+def lora_reports(lora_setups, rank_pool):
+    return rank_pool.run(jobs.lora_job, 2, lora_setups, SCALE, timeout_s=900)
 
 
 # -- LoRAs on quantized shards ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", jobs.KINDS)
-def test_lora_on_quantized_shards_at_tp2_equals_one_process(lora_reports, one_process, kind):
-    reference = one_process(kind, SCALE)
-    moved = _diff(one_process(kind, OTHER_SCALE), reference)
+@pytest.mark.parametrize("family, kind", LORA_CASES)
+def test_lora_on_quantized_shards_at_tp2_equals_one_process(lora_reports, one_process, family, kind):
+    reference = one_process(family, kind, SCALE)
+    moved = _diff(one_process(family, kind, OTHER_SCALE), reference)
     assert moved > TOL, f"blind: another LoRA scale moves the one-process output by only {moved:.1e}"
-    for rank, ours in enumerate(case(lora_reports, (kind, "outputs"))):
+    for rank, ours in enumerate(case(lora_reports, (family, kind, "outputs"))):
         assert _diff(ours, reference) < TOL, f"rank {rank}: {_diff(ours, reference):.1e}"
 
 
-@pytest.mark.parametrize("kind", jobs.KINDS)
-def test_fused_quantized_shards_are_the_one_process_fused_slices_bitwise(lora_reports, kind):
-    for report in case(lora_reports, (kind, "shards")):
+@pytest.mark.parametrize("family, kind", LORA_CASES)
+def test_fused_quantized_shards_are_the_one_process_fused_slices_bitwise(lora_reports, family, kind):
+    for report in case(lora_reports, (family, kind, "shards")):
         assert report["compared"] > 0 and report["unequal"] == [], report
 
 
-@pytest.mark.parametrize("kind", jobs.KINDS)
-def test_removing_the_lora_restores_every_quantized_tensor_and_scale_bitwise(lora_reports, kind):
-    for report in case(lora_reports, (kind, "restored")):
+@pytest.mark.parametrize("family, kind", LORA_CASES)
+def test_removing_the_lora_restores_every_quantized_tensor_and_scale_bitwise(lora_reports, family, kind):
+    for report in case(lora_reports, (family, kind, "restored")):
         assert report["equal_while_fused"] < report["tensors"], "the LoRA must change the quantized tensors"
         assert report["equal_after_removal"] == report["tensors"] > 0, report
 
 
-@pytest.mark.parametrize("kind", jobs.KINDS)
-def test_the_restoring_copy_is_the_touched_quantized_bytes_and_scales(lora_reports, kind):
+@pytest.mark.parametrize("family, kind", LORA_CASES)
+def test_the_restoring_copy_is_the_touched_quantized_bytes_and_scales(lora_reports, family, kind):
     """Host memory kept for `set_loras([])`: one byte per touched weight plus one float32 scale per block."""
-    for report in case(lora_reports, (kind, "memory")):
+    for report in case(lora_reports, (family, kind, "memory")):
         assert report["copies"] == report["touched_data"] + report["touched_scales"], report
         assert report["touched_data"] == report["touched_weights"] > 0
         assert report["touched_scales"] == 4 * report["touched_weights"] // jobs.BLOCK
@@ -120,24 +147,35 @@ def test_generate_plans_loras_with_quantize(checkpoint, lora_file, tmp_path):
 
 # -- compiled under quantization --------------------------------------------------------------------------------------
 
-#: Prompts of 1, 12 and 40 words (FLUX.1 pads its text to one length: one shape each).
+#: Prompts of 1, 15 and 45 words (FLUX.1 pads its text to one length: one shape each).
 PROMPTS = ["fox", " ".join(["red fox in the snow"] * 3), " ".join(["a red fox in the snow at dawn light"] * 5)]
 COMPILED = [("aot_eager", "fp8"), ("aot_eager", "int8"), ("inductor", "fp8")]
 
 
+#: The other families of issue 30, compiled with `aot_eager` in fp8 (no LoRA): one text bucket each, which the
+#: prompts fit, so warm-up compiles one graph per block class and step kind (Qwen-Image-2.1: KV-cache prefill and
+#: cached steps; MiniMax-H3: its first step's two noise levels); FLUX.2 pads its text itself.
+OTHER_BUCKETS = {"qwenimage": (64,), "qwenimage21": (64,), "h3": (64,)}
+OTHER_GRAPHS = {"flux2": 2, "qwenimage": 1, "qwenimage21": 2, "h3": 2}
+OTHER_PROMPTS = PROMPTS[:2]
+
+
 @pytest.fixture(scope="module")
-def compile_reports(checkpoint, lora_file, rank_pool):
+def compile_reports(checkpoint, lora_file, rank_pool, tiny_checkpoint):
     """`compile_reports(backend)` → both ranks' cases (one per kind) of that backend's job (run on first use): eager
     latents with no LoRA, the LoRA at `SCALE` and at `OTHER_SCALE`; compiled, warmed up, the prompts, then each set
-    switched in twice."""
+    switched in twice. The `aot_eager` job also compiles the other families in fp8 (a case each)."""
     made = {}
     loras = {"none": [], "lora": [(lora_file, SCALE)], "other": [(lora_file, OTHER_SCALE)]}
 
     def get(backend):
         if backend not in made:
             kinds = [kind for b, kind in COMPILED if b == backend]
+            others = {family: (str(tiny_checkpoint(family)), tiny.smallest_call(family),
+                               {"buckets": OTHER_BUCKETS[family]} if family in OTHER_BUCKETS else {}, OTHER_PROMPTS)
+                      for family in OTHER_FAMILIES} if backend == "aot_eager" else None
             made[backend] = rank_pool.run(jobs.compile_job, 2, checkpoint, tiny.smallest_call("flux"), kinds,
-                                          PROMPTS if backend == "aot_eager" else PROMPTS[:1], backend, loras,
+                                          PROMPTS if backend == "aot_eager" else PROMPTS[:1], backend, loras, others,
                                           timeout_s=1200)
         return made[backend]
 
@@ -163,6 +201,22 @@ def test_quantized_compiled_at_tp2_equals_eager(compile_reports, backend, kind):
     for name, latents in compiled.items():
         differences = [(made - eager[name]).abs().max().item() for made in latents]
         assert len(differences) == 2 and max(differences) < TOL, f"{name}: {differences}"
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_other_families_fp8_compiled_at_tp2_no_graph_breaks_no_recompiles(compile_reports, family):
+    """`aot_eager`, fp8: warm-up compiles every graph; the prompts after it add none and recompile nothing."""
+    for rank, result in enumerate(case(compile_reports("aot_eager"), family)):
+        assert result["graph_breaks"] == 0, f"rank {rank}: {result}"
+        assert result["graphs_after_warmup"] == OTHER_GRAPHS[family], f"rank {rank}: {result}"
+        assert result["new_graphs"] == 0 and result["new_recompiles"] == 0, f"rank {rank}: {result}"
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_other_families_fp8_compiled_at_tp2_equals_eager(compile_reports, family):
+    """The first prompt's compiled output equals its eager one; the second prompt's differs by more (the control)."""
+    leader = case(compile_reports("aot_eager"), family)[0]
+    assert leader["diff"] < TOL < leader["control"], leader
 
 
 # -- the job and the server ---------------------------------------------------------------------------------------
