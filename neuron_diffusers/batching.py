@@ -13,6 +13,13 @@ image block starts after the text, numbered without its padding), only rows of o
 the adapter's `batch_key` says which rows may share a call, and a batch of mixed lengths becomes one stock call per
 length (`stack_calls`), still each image equal to the image made alone.
 
+Image inputs (`pipelines/image_inputs.py`): a class that takes one input image (and mask) per prompt, as FLUX.1's
+Kontext, img2img and inpainting do, gets a list with each row's own image; stock encodes each row alone with that
+row's generator, so each row keeps the latents it has alone (tested). A class that takes one set of images for the
+whole call, and a batch of input images of different sizes, are refused before anything runs
+(`image_inputs.batch_image_refusal`). The parallel VAE splits a batch's decode (and encode) over the image group as it
+splits one image's, every band carrying every row (tested per image family).
+
 Static shapes: a pipeline loaded with `batch_sizes=(1, 2, 4)` runs every batch at a declared size, a short batch
 padded with copies of its last row (their images are dropped), a long one split, so a compiled pipeline meets only
 shapes its warm-up compiled.
@@ -24,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .pipelines.base import check_seeds
+from .pipelines.image_inputs import batch_image_refusal
 
 
 def batch_refusal(adapter, cache, context_parallel: bool) -> str | None:
@@ -126,15 +134,14 @@ def seeds_for(seed, count: int) -> list[int]:
     return [seed + index for index in range(count)]
 
 
-def check_batchable(adapter, *, image_kwargs: dict, cache, splits_vae: bool, context_parallel: bool) -> None:
+def check_batchable(adapter, *, image_rows: list[list[dict]], cache, context_parallel: bool) -> None:
     """Refuse, before anything runs, a batch of more than one image where this path is not shown exact: what refuses
-    any batch of this pipeline (`batch_refusal`), and what refuses this call's."""
+    any batch of this pipeline (`batch_refusal`), and what refuses this call's (`image_rows`: each multi-row call's
+    image inputs, one dict per row, `image_inputs.batch_image_refusal`). The parallel VAE splits a batch's decode
+    (and encode) as it splits one image's: every band carries every row (tested, `tests/test_batching.py`)."""
     reasons = [batch_refusal(adapter, cache, context_parallel)]
-    if image_kwargs:
-        reasons.append("image inputs (image, mask_image, strength) run one image per call for now")
-    if splits_vae and not adapter.batch_decodes_each_image:
-        reasons.append("the parallel VAE splits one image's decode; a batch is not decoded across the group yet")
-    reasons = [reason for reason in reasons if reason]
+    reasons += [batch_image_refusal(adapter, rows) for rows in image_rows]
+    reasons = list(dict.fromkeys(reason for reason in reasons if reason))
     if reasons:
         raise ValueError("`generate` cannot batch this call (batch_size > 1): " + "; ".join(reasons) +
                          ". Generate with batch_size=1.")

@@ -36,6 +36,9 @@ class PipelineClass:
     name: str
     #: Whether `image` may be several reference images (FLUX.2, Qwen-Image-Edit-Plus, Qwen-Image-2.1), not one.
     references: bool = False
+    #: Whether stock takes a list with one image (and mask) per prompt and encodes each row with its own generator
+    #: (FLUX.1's Kontext, img2img and inpainting), so a batch of prompts, each with its own input image, is one call.
+    image_per_prompt: bool = False
     #: Whether its true CFG calls the transformer under `cache_context("cond"/"uncond")`, which CFG parallelism
     #: needs to tell the two branches apart (FLUX.1's img2img, inpainting and Kontext call it bare).
     named_cfg_branches: bool = False
@@ -143,9 +146,9 @@ class Family:
 FAMILIES: tuple[Family, ...] = (
     Family("flux", "FLUX.1", "FluxAdapter", "black-forest-labs/FLUX.1-dev", (
         PipelineClass("FluxPipeline", named_cfg_branches=True),
-        PipelineClass("FluxKontextPipeline"),
-        PipelineClass("FluxImg2ImgPipeline"),
-        PipelineClass("FluxInpaintPipeline"),
+        PipelineClass("FluxKontextPipeline", image_per_prompt=True),
+        PipelineClass("FluxImg2ImgPipeline", image_per_prompt=True),
+        PipelineClass("FluxInpaintPipeline", image_per_prompt=True),
     )),
     Family("flux2", "FLUX.2", "Flux2Adapter", "black-forest-labs/FLUX.2-dev", (
         PipelineClass("Flux2Pipeline", references=True),

@@ -89,7 +89,7 @@ from .parallel import context
 from .parallel.lora import parse_lora_option
 from .parallel.vae import resolve_parallel_vae
 from .pipelines.base import MAX_SEED, SizeLimits, check_seeds, check_text
-from .pipelines.image_inputs import check_image_kwargs
+from .pipelines.image_inputs import call_image_kwargs, check_image_kwargs, takes_image_per_prompt
 from .runner import check_context_parallel_call, load_pipeline
 from .stopping import ExitWhenStuck
 from .topology import detect_nodes
@@ -569,15 +569,20 @@ def call_kwargs(request: Request, adapter) -> dict:
     return kwargs
 
 
-def batch_key(item: tuple[Request, bool], adapter, splits_vae=lambda height, width: False):
+def batch_key(item: tuple[Request, bool], adapter):
     """What requests must share to be made in one stock call (`--batch-size`): the call's kwargs (size, steps,
-    guidance), CFG pairing, a negative prompt or none; None (made alone): image inputs, or a size the parallel VAE
-    splits (unless the adapter decodes a batch's images one by one, `batch_decodes_each_image`)."""
+    guidance), CFG pairing, a negative prompt or none, and the kind of image inputs: none, or (a class that takes one
+    image per prompt, `image_inputs.takes_image_per_prompt`) one input image of the same size, a mask or none, the
+    same strength. None (made alone): image inputs of a class that takes one set of images for the whole call."""
     request, with_partner = item
-    splits = splits_vae(request.height, request.width) and not adapter.batch_decodes_each_image
-    if request.images or request.mask is not None or splits:
-        return None
-    return (with_partner, request.negative_prompt is None, tuple(sorted(call_kwargs(request, adapter).items())))
+    images = None
+    if request.images or request.mask is not None:
+        if not takes_image_per_prompt(adapter):
+            return None
+        first = request.images[0]
+        images = (len(request.images), first.width, first.height, request.mask is not None, request.strength)
+    return (with_partner, request.negative_prompt is None, tuple(sorted(call_kwargs(request, adapter).items())),
+            images)
 
 
 def pair_work(requests: list[Request], plan: JobPlan, cfg_rank: int) -> list[tuple[Request, bool]]:
@@ -693,9 +698,7 @@ def _generate_share(plan: JobPlan, mesh, work: list[tuple[Request, bool]], compi
     pipe.pipe.set_progress_bar_config(disable=not is_main_process(), leave=False)
     bar = tqdm(total=len(work), desc="images" if dp * plan.cfg == 1 else "images (rank 0's TP group)",
                disable=not is_main_process())
-    vae = pipe.parallel_vae
-    splits = (lambda height, width: vae.splits(height, width)) if vae is not None else (lambda height, width: False)
-    for batch in pack(work, plan.batch_size, lambda item: batch_key(item, pipe.adapter, splits)):
+    for batch in pack(work, plan.batch_size, lambda item: batch_key(item, pipe.adapter)):
         _make_batch(plan, pipe, [request for request, _ in batch], batch[0][1], dp, images)
         bar.update(len(batch))
     bar.close()
@@ -708,7 +711,8 @@ class BatchError(RuntimeError):
 
 
 def _generate_batch(pipe, requests: list[Request], with_partner: bool) -> list | None:
-    """One `generate` call for `requests` (compatible: `batch_key`), each with its own seed and negative prompt."""
+    """One `generate` call for `requests` (compatible: `batch_key`), each with its own seed, negative prompt and
+    input image (and mask)."""
     if len(requests) == 1:
         request = requests[0]
         return pipe.generate(request.prompt, seed=request.seed, negative_prompt=request.negative_prompt,
@@ -716,7 +720,8 @@ def _generate_batch(pipe, requests: list[Request], with_partner: bool) -> list |
     negatives = None if requests[0].negative_prompt is None else [r.negative_prompt for r in requests]
     try:
         return pipe.generate([r.prompt for r in requests], seed=[r.seed for r in requests], negative_prompt=negatives,
-                             alone=not with_partner, batch_size=len(requests), **call_kwargs(requests[0], pipe.adapter))
+                             alone=not with_partner, batch_size=len(requests), **call_kwargs(requests[0], pipe.adapter),
+                             **call_image_kwargs([r.image_kwargs() for r in requests]))
     except dist.DistError:
         raise
     except Exception as error:  # every rank raises the same agreed error, so every rank names the same images

@@ -73,7 +73,14 @@ from .pipelines import PipelineAdapter
 from .pipelines.base import SizeLimits, check_text
 from .pipelines.drafted import drafted_family
 from .pipelines.generic import shared_encoding
-from .pipelines.image_inputs import check_image_kwargs, reads_image, shared_image_inputs, vae_without_coders
+from .pipelines.image_inputs import (
+    call_image_kwargs,
+    check_image_kwargs,
+    image_rows,
+    reads_image,
+    shared_image_inputs,
+    vae_without_coders,
+)
 from .timing import PhaseTimes
 
 set_drafter(drafted_family)  # any other stock pipeline resolves to a plan drafted from its transformer
@@ -192,9 +199,9 @@ class ParallelPipeline:
 
         `image` (a PIL image, or a list of reference images where the class takes several), `mask_image` and
         `strength` go to the stock call for every prompt; the class decides what they mean (Kontext, img2img,
-        inpainting, Qwen-Image-Edit-Plus, FLUX.2 references, Qwen-Image-2.1 with an image). They are checked before
-        anything runs: a class that takes none of them, one that needs an image, a mask of another size, a
-        strength outside (0, 1].
+        inpainting, Qwen-Image-Edit-Plus, FLUX.2 references, Qwen-Image-2.1 with an image); FLUX.1's classes take
+        lists with one image (and mask) per prompt too. They are checked before anything runs: a class that takes
+        none of them, one that needs an image, a mask of another size, a strength outside (0, 1].
         `batch_size` images share a stock call (default: the largest `load_pipeline(batch_sizes=...)`, else 1), each
         equal to the image made alone (`batching.py`); `seed` may be a list, one seed per prompt.
         """
@@ -204,13 +211,14 @@ class ParallelPipeline:
              mask_image, strength, batch_size, pipeline_kwargs])
         prompts, seeds = self._check_call(prompts, seed, pipeline_kwargs)
         negatives = self._negatives(negative_prompt, len(prompts))
-        image_kwargs = check_image_kwargs(self.adapter, image, mask_image, strength)
+        rows = image_rows(self.adapter, check_image_kwargs(self.adapter, image, mask_image, strength, len(prompts)),
+                          len(prompts))
         self._check_context_parallel(pipeline_kwargs)
         joint = pair and _check_cfg_parallel_kwargs(self.adapter, negatives[0], pipeline_kwargs)
         mine = list(range(len(prompts)) if joint or not pair else range(cfg_rank(self.mesh), len(prompts), 2))
-        outputs, error = self._make_mine(self._batches(mine, batch_size, image_kwargs, pipeline_kwargs),
+        outputs, error = self._make_mine(self._batches(mine, batch_size, rows),
                                          list(zip(prompts, negatives, strict=True)), seeds, joint,
-                                         check_latents_every, pipeline_kwargs, image_kwargs)
+                                         check_latents_every, pipeline_kwargs, rows)
         if pair and not joint:  # the two groups made different images: the pair agrees before it exchanges them
             error = agree(error, self.mesh["cfg"].get_group())
         if error is not None:
@@ -219,27 +227,30 @@ class ParallelPipeline:
             return [outputs[i] for i in range(len(prompts))] if self.is_leader else None
         return self._collect_pair(outputs, len(prompts), joint)
 
-    def _batches(self, mine: list[int], batch_size, image_kwargs: dict, pipeline_kwargs: dict) -> list[list[int]]:
+    def _batches(self, mine: list[int], batch_size, rows: list[dict]) -> list[list[int]]:
         """This group's images, a stock call's worth at a time; a call of several rows (a batch, or one image padded
-        to a declared batch size) is refused up front where it is not shown exact (`batching.check_batchable`)."""
+        to a declared batch size) is refused up front where it is not shown exact (`batching.check_batchable`).
+        `rows`: each prompt's image inputs (`image_inputs.image_rows`, [] without)."""
         batches = split(mine, resolve_batch_size(batch_size, self.batch_sizes))
-        if any(padded_count(len(batch), self.batch_sizes) > 1 for batch in batches):
-            check_batchable(self.adapter, image_kwargs=image_kwargs, cache=self.cache,
-                            splits_vae=self._splits_vae(pipeline_kwargs), context_parallel=self.cp_mode is not None)
+        several = [batch for batch in batches if padded_count(len(batch), self.batch_sizes) > 1]
+        if several:
+            check_batchable(self.adapter, image_rows=[[rows[i] for i in batch] for batch in several] if rows else [],
+                            cache=self.cache, context_parallel=self.cp_mode is not None)
         return batches
 
     def _make_mine(self, batches, texts, seeds, joint, check_latents_every, pipeline_kwargs,
-                   image_kwargs) -> tuple[dict, Exception | None]:
+                   rows: list[dict]) -> tuple[dict, Exception | None]:
         """This group's images of the call (index -> output), and the first error, kept for the pair to agree on.
-        `texts`: (prompt, negative prompt) per image."""
+        `texts`: (prompt, negative prompt) per image; `rows`: its image inputs per image ([] without)."""
         encode_kwargs = {k: pipeline_kwargs[k] for k in self.adapter.encode_kwargs if k in pipeline_kwargs}
         # A vision-language encoder that reads the image encodes inside the call, where the pipeline resized it.
-        in_call = self.adapter.prompt_in_call or (bool(image_kwargs) and reads_image(self.adapter.pipeline_cls()))
+        in_call = self.adapter.prompt_in_call or (bool(rows) and reads_image(self.adapter.pipeline_cls()))
         outputs, error = {}, None
         try:
             for batch in batches:
                 made = self._make([texts[i] for i in batch], [seeds[i] for i in batch], encode_kwargs, joint,
-                                  check_latents_every, pipeline_kwargs, image_kwargs, in_call)
+                                  check_latents_every, pipeline_kwargs, [rows[i] for i in batch] if rows else [],
+                                  in_call)
                 outputs.update(zip(batch, made, strict=True))
         except dist.DistError:  # a peer is gone: no agreement is possible, the group is dead
             raise
@@ -269,21 +280,22 @@ class ParallelPipeline:
         return list(prompts), seeds_for(seed, len(prompts))
 
     def _make(self, texts: list[tuple], seeds: list[int], encode_kwargs: dict, joint: bool,
-              check_latents_every: int | None, pipeline_kwargs: dict, image_kwargs: dict, in_call: bool) -> list:
-        """Encode and denoise a batch's images (one per (prompt, negative) of `texts`): one stock call, or one per
-        group of rows the adapter lets share a call (`batching.stack_calls`), each padded to a declared batch size
-        with copies of its last row (dropped); whatever fails on some rank of the group fails on all of them."""
+              check_latents_every: int | None, pipeline_kwargs: dict, rows: list[dict], in_call: bool) -> list:
+        """Encode and denoise a batch's images (one per (prompt, negative) of `texts`, with its image inputs in
+        `rows`): one stock call, or one per group of rows the adapter lets share a call (`batching.stack_calls`), each
+        padded to a declared batch size with copies of its last row (dropped); whatever fails on some rank of the
+        group fails on all of them."""
         made, error = {}, None
         try:
             with self.times.phase("encode"):
                 calls = [([0], _prompt_strings(*texts[0]))] if in_call else self._encode(texts, encode_kwargs)
             for positions, embeds in calls:
-                rows = padded_count(len(positions), self.batch_sizes)
-                output = self._denoise(embeds, [seeds[p] for p in positions + positions[-1:] * (rows - len(positions))],
-                                       joint, check_latents_every, {**pipeline_kwargs, **image_kwargs}, image_kwargs,
-                                       in_call)
+                padded = positions + positions[-1:] * (padded_count(len(positions), self.batch_sizes) - len(positions))
+                images = call_image_kwargs([rows[p] for p in padded]) if rows else {}
+                output = self._denoise(embeds, [seeds[p] for p in padded], joint, check_latents_every,
+                                       {**pipeline_kwargs, **images}, images, in_call)
                 if output is not None:
-                    made.update(zip(positions, [output] if rows == 1 else output, strict=False))
+                    made.update(zip(positions, [output] if len(padded) == 1 else output, strict=False))
         except dist.DistError:
             raise
         except Exception as caught:

@@ -77,9 +77,12 @@ def _argument_refusals(pipe, call: dict, checkpoint, mesh) -> dict:
                                           cache=FirstBlockCacheConfig(threshold=0.1))}
 
 
-def batch_tp2_job(checkpoints: dict, calls: dict) -> dict:
+def batch_tp2_job(checkpoints: dict, calls: dict, image_calls: dict | None = None) -> dict:
     """At TP=2, per family: alone vs batched (`<family>`); the argument checks (`arguments`); MiniMax-H3's clips
-    decoded (`h3/decoded`, under its default parallel VAE) and its batch refused under Ulysses=2 (`h3/ulysses`)."""
+    decoded (`h3/decoded`, under its default parallel VAE) and its batch refused under Ulysses=2 (`h3/ulysses`); the
+    image families' batches decoded by the parallel VAE (`<family>/decoded`); FLUX.2's reference images refused in a
+    batch (`flux2/references`); `image_calls` (FLUX.1 class -> call): prompts with their own input images, alone vs
+    batched (`images/<class>`), and input images of two sizes refused (`images/sizes`)."""
     import gc
 
     from rank_cases import CaseError, one_thread, record
@@ -94,21 +97,108 @@ def batch_tp2_job(checkpoints: dict, calls: dict) -> dict:
             if isinstance(pipe, CaseError):
                 continue
             record(report, family, alone_and_batched, pipe, calls[family])
-            if family == "h3":
-                record(report, "h3/decoded", _decoded, pipe, calls[family])
+            record(report, f"{family}/decoded", _decoded, pipe, calls[family])
+            if family == "flux2":
+                record(report, "flux2/references", _references_refusal, pipe, calls[family])
             if family == "flux":
                 record(report, "arguments", _argument_refusals, pipe, calls[family], checkpoint, mesh)
             del pipe
             gc.collect()
         if "h3" in checkpoints:
             record(report, "h3/ulysses", _context_parallel_refusal, checkpoints["h3"], calls["h3"])
+        for name, call in (image_calls or {}).items():
+            record(report, f"images/{name}", _image_batch, checkpoints["flux"], mesh, name, call)
     return report
 
 
+# -- image inputs: each prompt its own input image --------------------------------------------------------------
+
+#: `image_jobs.input_image` seeds: one input image per prompt (all 32 x 32), and row 0's other image (the control).
+IMAGE_SEEDS, CONTROL_IMAGE = (1, 2, 3), 11
+
+
+def _masks(count: int) -> list:
+    """A different inpainting mask per row: white (repaint) on the lower half, the upper half, the lower half..."""
+    from image_jobs import input_mask
+    from PIL import ImageOps
+
+    return [input_mask() if index % 2 == 0 else ImageOps.flip(input_mask()) for index in range(count)]
+
+
+def _image_batch(checkpoint, mesh, pipeline_class: str, call: dict) -> dict:
+    """`pipeline_class` (`load_pipeline(pipeline_class=...)`; `parallel_vae` from the call): each prompt with its own
+    input image (and mask) made alone, the same in one `generate(image=[...], batch_size=3)`, and the control (prompt
+    0 with another input image); latents and the transformer's first-call `hidden_states` (noise and image latents)
+    per row. Then input images of two sizes in one batch, refused."""
+    from image_jobs import first_call_inputs, input_image
+
+    import neuron_diffusers as nd
+
+    call = dict(call)
+    pipe = nd.load_pipeline(checkpoint, mesh, pipeline_class=pipeline_class, parallel_vae=call.pop("parallel_vae"))
+    images = [input_image(seed) for seed in IMAGE_SEEDS]
+    masks = _masks(len(images)) if "mask" in call else None
+    call = {k: v for k, v in call.items() if k != "mask"} | {"output_type": "latent"}
+    transformer = pipe.adapter.transformer_of(pipe.pipe)
+
+    def make(prompts, seed, rows, **extra):
+        kwargs = {"image": [images[i] if i >= 0 else input_image(CONTROL_IMAGE) for i in rows]}
+        if masks is not None:
+            kwargs["mask_image"] = [masks[max(i, 0)] for i in rows]
+        if len(rows) == 1:
+            kwargs = {name: value[0] for name, value in kwargs.items()}
+        with first_call_inputs(transformer) as seen:
+            made = pipe.generate(prompts, seed=seed, **kwargs, **call, **extra)
+        return _latents(made), seen[0].float().numpy()
+
+    alone = [make(prompt, SEED + index, [index]) for index, prompt in enumerate(PROMPTS)]
+    batched = make(PROMPTS, SEED, list(range(len(PROMPTS))), batch_size=len(PROMPTS))
+    control = make(PROMPTS[0], SEED, [-1])
+    sizes = _refusal(pipe.generate, PROMPTS[:2], image=[images[0], input_image(1, (48, 32))], batch_size=2,
+                     **({} if masks is None else {"mask_image": [masks[0], masks[1].resize((48, 32))]}), **call)
+    leader = alone[0][0] is not None
+    return {"alone": [a[0][0] for a in alone] if leader else None, "batched": batched[0],
+            "control": control[0], "inputs_alone": [a[1][0] for a in alone], "inputs_batched": list(batched[1]),
+            "inputs_control": control[1][0], "sizes": sizes,
+            "vae_splits": pipe.parallel_vae is not None and pipe.parallel_vae.enabled}
+
+
+def _references_refusal(pipe, call: dict) -> str:
+    """What a batch of FLUX.2 prompts with reference images is told (stock gives every row the same references)."""
+    from image_jobs import input_image
+
+    return _refusal(pipe.generate, PROMPTS, image=input_image(1, (64, 64)), batch_size=3, **call)
+
+
+# -- the parallel VAE: a batch decoded across the group ---------------------------------------------------------
+
+#: Two prompts of one text length (Qwen-Image-2.1 makes them in one call): the batch its decode splits.
+DECODED_PROMPTS = [PROMPTS[0], PROMPTS[2]]
+
+
 def _decoded(pipe, call: dict) -> dict:
-    """MiniMax-H3's clips decoded (frames and audio), alone vs batched, and whether the parallel VAE split them."""
-    made = alone_and_batched(pipe, call, decoded=True)
-    return {**made, "parallel_vae": pipe.parallel_vae is not None and pipe.parallel_vae.enabled}
+    """Images decoded by the parallel VAE (`pipe.parallel_vae` told to split every size), alone vs batched, as
+    float tensors (MiniMax-H3: its clips, frames and audio); per decode on this rank, the decoder's input rows and
+    batch and the rows its first convolution got (a band of them: split), FLUX.1 / FLUX.2 / Qwen-Image /
+    Qwen-Image-2.1."""
+    h3 = pipe.parallel_vae is not None and pipe.parallel_vae.strategy == "turns"
+    if h3:  # MiniMax-H3 splits every clip by default; the three prompts of the latent case
+        made = alone_and_batched(pipe, call, decoded=True)
+        return {**made, "parallel_vae": pipe.parallel_vae.enabled}
+    handle, vae = pipe.parallel_vae, pipe.adapter.vae(pipe.pipe)
+    minimum, handle.min_pixels = handle.min_pixels, 0  # a tiny image splits too
+    seen = []
+    hooks = [vae.decoder.register_forward_pre_hook(lambda m, args: seen.append(["entry", *args[0].shape])),
+             vae.decoder.conv_in.register_forward_pre_hook(lambda m, args: seen.append(["band", *args[0].shape]))]
+    try:
+        made = alone_and_batched(pipe, {**call, "output_type": "pt"}, prompts=DECODED_PROMPTS, decoded=True)
+    finally:
+        handle.min_pixels = minimum
+        for hook in hooks:
+            hook.remove()
+    # Per decode: (batch, rows at the decoder's entry, rows its first convolution got on this rank).
+    decodes = [(entry[1], entry[-2], band[-2]) for entry, band in zip(seen[::2], seen[1::2], strict=True)]
+    return {**made, "decodes": decodes, "parallel_vae": handle.enabled}
 
 
 def _context_parallel_refusal(checkpoint, call: dict) -> str:

@@ -25,11 +25,22 @@ FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21", "h3")  # the five famil
 CALLS = {"qwenimage21": 2}
 
 
+#: FLUX.1's classes that take one input image per prompt, batched at TP=2 (`batch_jobs._image_batch`): Kontext with
+#: the image group's leader encoding for both ranks, inpainting (a mask per row, its masked image encoded as a batch)
+#: with the parallel VAE splitting every encode and decode over both ranks.
+IMAGE_CALLS = {
+    "FluxKontextPipeline": {"height": 32, "width": 32, "num_inference_steps": 2, "max_area": 32 * 32,
+                            "_auto_resize": False, "parallel_vae": False},
+    "FluxInpaintPipeline": {"height": 32, "width": 32, "num_inference_steps": 4, "strength": 0.6, "mask": True,
+                            "parallel_vae": True},
+}
+
+
 @pytest.fixture(scope="module")
 def tp2_reports(tiny_checkpoint, rank_pool):
     checkpoints = {family: tiny_checkpoint(family) for family in FAMILIES}
     calls = {family: tiny.smallest_call(family) for family in FAMILIES}
-    return rank_pool.run(batch_jobs.batch_tp2_job, 2, checkpoints, calls, timeout_s=900)
+    return rank_pool.run(batch_jobs.batch_tp2_job, 2, checkpoints, calls, IMAGE_CALLS, timeout_s=900)
 
 
 def forwards_per_call(family: str) -> int:
@@ -88,6 +99,65 @@ def test_h3_decoded_batch_under_the_parallel_vae_equals_each_clip_alone(tp2_repo
     assert leader["parallel_vae"] and other["parallel_vae"], "the parallel VAE split none of the decodes: blind"
     assert other["batched"] is None and other["alone"] is None, "only the TP leader returns clips"
     assert_each_image_alone(leader, "h3 decoded under the parallel VAE")
+
+
+#: Max abs difference of a batch's decoded float image (values in [0, 1]) from the image decoded alone, both by the
+#: parallel VAE over 2 ranks: measured 6.0e-7 (Qwen-Image-2.1), 9.2e-7 (Qwen-Image), 1.7e-6 (FLUX.1), 2.3e-6 (FLUX.2):
+#: the latents' rounding (about 5e-7) carried through the decoder; another seed moves it by 0.45 to 0.92.
+DECODE_TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("family", ("flux", "flux2", "qwenimage", "qwenimage21"))
+def test_parallel_vae_decodes_a_batch_across_the_group_each_image_as_alone(tp2_reports, family):
+    """The batch of two is one decode split over both ranks (each rank's first convolution gets a band of the rows,
+    the bands adding up to the whole), and each decoded image equals the image made and decoded alone."""
+    leader, other = case(tp2_reports, f"{family}/decoded")
+    assert leader["parallel_vae"] and other["parallel_vae"]
+    assert other["batched"] is None and other["alone"] is None, "only the TP leader returns images"
+    # Per decode (alone, alone, the batch, the control): its batch, its rows, and each rank's band of them.
+    assert [d[0] for d in leader["decodes"]] == [d[0] for d in other["decodes"]] == [1, 1, 2, 1]
+    for mine, theirs in zip(leader["decodes"], other["decodes"], strict=True):
+        assert mine[1] == theirs[1] and 0 < mine[2] < mine[1] and mine[2] + theirs[2] == mine[1], (mine, theirs)
+    moved = float(np.abs(leader["control"][0] - leader["alone"][0]).max())
+    assert moved > DECODE_TOLERANCE, f"another seed moves the decoded image by only {moved:.1e}: blind"
+    for index, (batched, alone) in enumerate(zip(leader["batched"], leader["alone"], strict=True)):
+        assert batched.shape == alone.shape and batched.ndim == 3
+        difference = float(np.abs(batched - alone).max())
+        assert difference < DECODE_TOLERANCE, f"{family}: decoded image {index} differs by {difference:.1e}"
+
+
+@pytest.mark.parametrize("pipeline_class", IMAGE_CALLS)
+def test_prompts_with_their_own_input_images_batch_each_as_alone(tp2_reports, pipeline_class):
+    """Three prompts, each with its own input image (inpainting: its own mask), in one stock call: each row's
+    transformer inputs (noise and image latents) and final latents equal the prompt made alone with its image; another
+    input image for row 0 moves both by more (the control)."""
+    leader, other = case(tp2_reports, f"images/{pipeline_class}")
+    assert other["alone"] is None and other["batched"] is None, "only the TP leader returns images"
+    assert leader["vae_splits"] == other["vae_splits"] == IMAGE_CALLS[pipeline_class]["parallel_vae"]
+    moved_inputs = float(np.abs(leader["inputs_control"] - leader["inputs_alone"][0]).max())
+    moved = float(np.abs(leader["control"][0] - leader["alone"][0]).max())
+    assert moved_inputs > 1e-2 and moved > TOLERANCE, (f"another input image moves the inputs by {moved_inputs:.1e}, "
+                                                       f"the latents by {moved:.1e}: blind")
+    assert len(leader["batched"]) == len(leader["inputs_batched"]) == len(batch_jobs.PROMPTS)
+    for index, alone in enumerate(leader["alone"]):
+        inputs = float(np.abs(leader["inputs_batched"][index] - leader["inputs_alone"][index]).max())
+        difference = float(np.abs(leader["batched"][index] - alone).max())
+        assert inputs < TOLERANCE and difference < TOLERANCE, (f"row {index}: inputs {inputs:.1e}, latents "
+                                                                f"{difference:.1e} from the image made alone")
+
+
+def test_a_batch_of_input_images_of_two_sizes_is_refused_on_every_rank(tp2_reports):
+    for name in IMAGE_CALLS:
+        leader, other = case(tp2_reports, f"images/{name}")
+        assert leader["sizes"] == other["sizes"], name
+        assert "the batch's input images differ in size (32x32, 48x32)" in leader["sizes"], leader["sizes"]
+
+
+def test_reference_images_are_refused_in_a_batch_on_every_rank(tp2_reports):
+    refusals = case(tp2_reports, "flux2/references")
+    assert refusals[0] == refusals[1], refusals
+    assert "Flux2Pipeline takes one set of input images for the whole call" in refusals[0]
+    assert "Generate with batch_size=1" in refusals[0]
 
 
 def test_h3_batch_is_refused_under_context_parallelism_on_every_rank(tp2_reports):
@@ -227,17 +297,58 @@ def test_a_failing_batch_names_its_images_on_every_rank(job_reports):
     assert "injected failure" in messages[0]
 
 
-def test_job_packs_mini_max_h3_under_the_parallel_vae_only():
-    """A size the parallel VAE splits is made alone, except for MiniMax-H3, whose batch decodes each clip alone (its
-    decoded batch under the parallel VAE is tested above)."""
-    from neuron_diffusers.families import get
+def test_job_packs_image_requests_of_one_kind_and_size():
+    """Requests with input images share a call only on a class that takes one image per prompt, with images of one
+    size, a mask each or none, one strength; a class that takes one set of images for the whole call makes each
+    alone. A size the parallel VAE splits no longer matters (its batch decode is tested above)."""
+    from neuron_diffusers.families import get, pipeline_record
     from neuron_diffusers.job import Request, batch_key
+    from neuron_diffusers.media import InputImage
 
-    request = Request(index=0, prompt="a fox", negative_prompt=None, seed=0, height=32, width=32, steps=3,
-                      guidance=None)
-    splits = lambda height, width: True  # noqa: E731
-    assert batch_key((request, False), get("h3").adapter(), splits) is not None
-    assert batch_key((request, False), get("flux").adapter(), splits) is None
+    def adapter(family, name):
+        return get(family).adapter().for_pipeline(pipeline_record(get(family), name))
+
+    def request(index, size=(32, 32), mask=False, strength=0.6):
+        image = InputImage(f"{index}.png", f"{index:064d}", *size)
+        return (Request(index=index, prompt="a fox", negative_prompt=None, seed=index, height=32, width=32, steps=3,
+                        guidance=None, images=(image,), mask=image if mask else None, strength=strength), False)
+
+    inpaint = adapter("flux", "FluxInpaintPipeline")
+    first = batch_key(request(0, mask=True), inpaint)
+    assert first is not None and batch_key(request(1, mask=True), inpaint) == first
+    assert batch_key(request(2, size=(48, 32), mask=True), inpaint) != first
+    assert batch_key(request(3, mask=True, strength=0.5), inpaint) != first
+    assert batch_key(request(4), inpaint) != first
+    assert batch_key(request(5), adapter("flux2", "Flux2Pipeline")) is None
+    text = Request(index=0, prompt="a fox", negative_prompt=None, seed=0, height=32, width=32, steps=3, guidance=None)
+    assert batch_key((text, False), get("h3").adapter()) is not None
+
+
+def test_served_batch_gives_each_prompt_its_own_image():
+    """The replica's one call for compatible image requests: a list with each prompt's image and mask, in order."""
+    import io
+
+    from image_jobs import input_image
+    from PIL import Image
+
+    from neuron_diffusers.serve.replica import _together, image_inputs
+
+    def png(seed, size=(32, 32)):
+        data = io.BytesIO()
+        input_image(seed, size).save(data, format="PNG")
+        return data.getvalue()
+
+    tasks = [{"prompts": ["a", "b"], "seed": 5, "negative_prompt": None, "kwargs": {"strength": 0.6},
+              "images": (png(1),), "mask": png(7)},
+             {"prompts": ["c"], "seed": 9, "negative_prompt": None, "kwargs": {"strength": 0.6},
+              "images": (png(2),), "mask": png(8)}]
+    task = _together(tasks, 4)
+    assert task["prompts"] == ["a", "b", "c"] and task["seed"] == [5, 6, 9]
+    kwargs = image_inputs(task)
+    expected = [input_image(seed) for seed in (1, 1, 2)]
+    assert [image.tobytes() for image in kwargs["image"]] == [image.tobytes() for image in expected]
+    assert [mask.tobytes() for mask in kwargs["mask_image"]] == [input_image(seed).tobytes() for seed in (7, 7, 8)]
+    assert all(isinstance(image, Image.Image) for image in kwargs["image"])
 
 
 def test_job_batch_size_is_refused_where_a_call_cannot_batch(generate_refuses):

@@ -164,9 +164,6 @@ class PipelineAdapter:
     batch_refusal: str | None = ("this adapter's call makes one image at a time; generate with batch_size=1")
     #: Why its batches cannot run under context parallelism (None: nothing known against it).
     cp_batch_refusal: str | None = None
-    #: Whether a batch decodes its images one stock decode each, so the parallel VAE splits each decode as it splits
-    #: an image made alone (stock pipelines decode the batch tensor at once: refused with the parallel VAE).
-    batch_decodes_each_image: bool = False
 
     #: Whether the stock call gets the prompt strings and encodes them itself (the generic adapter), with the group
     #: leader's encoder answering its `encode_prompt` where `leader_encodes`, else every rank encoding.

@@ -159,9 +159,6 @@ class MiniMaxH3Adapter(PipelineAdapter):
     batch_refusal = None
     cp_batch_refusal = ("MiniMax-H3 packs a batch into one sequence with a block-diagonal attention mask, which "
                         "is not verified under context parallelism")
-    #: Each request of a batch is decoded alone (`_output`), in the same order on every rank: the parallel VAE
-    #: splits each decode as it splits a clip made alone.
-    batch_decodes_each_image = True
     #: `output_type="latent"`: the denoised latents (video and audio), undecoded; omitted: the decoded clip.
     output_types = ("latent",)
 

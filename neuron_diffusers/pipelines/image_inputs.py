@@ -208,8 +208,17 @@ def reads_image(pipeline_cls) -> bool:
     return "image" in inspect.signature(pipeline_cls.encode_prompt).parameters
 
 
-def check_image_kwargs(adapter, image=None, mask_image=None, strength=None) -> dict:
-    """The image kwargs of one call, checked before anything runs (every rank raises the same error)."""
+def takes_image_per_prompt(adapter) -> bool:
+    """Whether the class takes a list with one input image (and mask) per prompt, each row encoded with its own
+    generator (`PipelineClass.image_per_prompt`: FLUX.1's Kontext, img2img and inpainting), so a batch of prompts with
+    their own images is one stock call."""
+    return bool(adapter.record is not None and adapter.record.image_per_prompt)
+
+
+def check_image_kwargs(adapter, image=None, mask_image=None, strength=None, prompts: int = 1) -> dict:
+    """The image kwargs of one call, checked before anything runs (every rank raises the same error). Where the
+    class takes one image per prompt (`takes_image_per_prompt`), `image` and `mask_image` may each be a list with
+    one per prompt (`prompts` of them)."""
     name = adapter.pipeline_class
     given = {k: v for k, v in zip(IMAGE_KWARGS, (image, mask_image, strength), strict=True) if v is not None}
     if not given and adapter.own_class:
@@ -233,23 +242,81 @@ def check_image_kwargs(adapter, image=None, mask_image=None, strength=None) -> d
         kinds = sorted({type(item).__name__ for item in images}) or ["an empty list"]
         raise TypeError(f"`image` must be a PIL image or a list of them, got {', '.join(kinds)}: open files with "
                         "`PIL.Image.open(path)` (the CLI does).")
-    if len(images) > 1 and not (adapter.record and adapter.record.references):
+    per_prompt = takes_image_per_prompt(adapter)
+    if len(images) > 1 and not per_prompt and not (adapter.record and adapter.record.references):
         raise ValueError(f"{name} takes one input image, got {len(images)}. Several reference images: "
                          "Flux2Pipeline, QwenImageEditPlusPipeline, QwenImage21Pipeline.")
-    if mask_image is not None:
-        if not isinstance(mask_image, Image.Image):
-            raise TypeError(f"`mask_image` must be a PIL image, got {type(mask_image).__name__}.")
-        if images[0].size != mask_image.size:
-            raise ValueError(f"The mask is {mask_image.size[0]}x{mask_image.size[1]} but the image is "
-                             f"{images[0].size[0]}x{images[0].size[1]}: give a mask of the image's size (white "
-                             "repaints).")
+    pairs = _image_mask_pairs(name, image, images, mask_image, prompts if per_prompt else None)
+    for number, (picture, mask) in enumerate(pairs):
+        if mask is not None and picture.size != mask.size:
+            which = f" of prompt {number}" if len(pairs) > 1 else ""
+            raise ValueError(f"The mask{which} is {mask.size[0]}x{mask.size[1]} but the image is "
+                             f"{picture.size[0]}x{picture.size[1]}: give a mask of the image's size (white repaints).")
     if strength is not None and (isinstance(strength, bool) or not isinstance(strength, (int, float))
                                  or not 0 < strength <= 1):
         raise ValueError(f"`strength` must be a number in (0, 1], got {strength!r}: 1 repaints fully, smaller values "
                          "keep more of the input image.")
-    if isinstance(image, tuple):
-        given["image"] = list(image)
-    return given
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in given.items()}
+
+
+def _image_mask_pairs(name: str, image, images: list, mask_image, prompts: int | None) -> list[tuple]:
+    """(image, mask) per prompt where the class takes one per prompt (`prompts`; a list of either must hold one per
+    prompt), else the first image with the mask; each mask checked to be an image."""
+    masks = list(mask_image) if isinstance(mask_image, (list, tuple)) and prompts else [mask_image]
+    if not all(mask is None or isinstance(mask, Image.Image) for mask in masks) or not masks:
+        raise TypeError(f"`mask_image` must be a PIL image{' or a list of them, one per prompt' if prompts else ''}, "
+                        f"got {type(mask_image).__name__}.")
+    if not images:
+        return []
+    if prompts is None:
+        return [(images[0], masks[0])]
+    if isinstance(image, (list, tuple)) and len(images) != prompts:
+        raise ValueError(f"{name} takes one input image, got {len(images)} for {prompts} prompt(s): give one image "
+                         "(for every prompt) or a list with one per prompt. Several reference images: Flux2Pipeline, "
+                         "QwenImageEditPlusPipeline, QwenImage21Pipeline.")
+    if isinstance(mask_image, (list, tuple)) and len(masks) != prompts:
+        raise ValueError(f"Got {len(masks)} masks for {prompts} prompt(s): {name} takes one mask (for every prompt) or "
+                         "a list with one per prompt.")
+    images = images if isinstance(image, (list, tuple)) else images * prompts
+    return list(zip(images, masks if len(masks) == prompts else masks * prompts, strict=True))
+
+
+def image_rows(adapter, image_kwargs: dict, count: int) -> list[dict]:
+    """Each of `count` prompts' own image kwargs (none: []): a list with one image (or mask) per prompt split up
+    (`takes_image_per_prompt`), anything else the same for every prompt."""
+    if not image_kwargs:
+        return []
+    split = takes_image_per_prompt(adapter)
+    return [{name: value[index] if split and isinstance(value, list) else value
+             for name, value in image_kwargs.items()} for index in range(count)]
+
+
+def call_image_kwargs(rows: list[dict]) -> dict:
+    """One stock call's image kwargs for its `rows` (one dict per row, `image_rows`): the row's own for one row, else
+    a list with each row's image (and mask) and their one `strength` (a class that takes one image per prompt)."""
+    if len(rows) == 1:
+        return rows[0]
+    merged = {name: [row[name] for row in rows] for name in ("image", "mask_image") if name in rows[0]}
+    return merged | ({"strength": rows[0]["strength"]} if "strength" in rows[0] else {})
+
+
+def batch_image_refusal(adapter, rows: list[dict]) -> str | None:
+    """Why one stock call cannot make these `rows` (image kwargs per row; a call of several rows, or one row padded
+    to a declared batch size) each as it is made alone (None: it can, or no row has image inputs)."""
+    if not any(rows):
+        return None
+    name = adapter.pipeline_class
+    if not takes_image_per_prompt(adapter):
+        return (f"{name} takes one set of input images for the whole call (stock gives every prompt of a batch the "
+                "same images), so with input images it makes one prompt per call; a batch of input images is one call "
+                "on the classes that take one image per prompt (FluxKontextPipeline, FluxImg2ImgPipeline, "
+                "FluxInpaintPipeline)")
+    sizes = list(dict.fromkeys(f"{row['image'].size[0]}x{row['image'].size[1]}" for row in rows))
+    if len(sizes) > 1:
+        return (f"the batch's input images differ in size ({', '.join(sizes)}): stock preprocesses a batch's images "
+                "into one tensor at one size (FluxKontextPipeline takes the first image's), so only input images of "
+                "one size are shown to batch exactly (the job and the server group requests by input size)")
+    return None
 
 
 @contextmanager

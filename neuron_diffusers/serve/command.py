@@ -40,7 +40,6 @@ from ..job import DEFAULT_MAX_PIXELS, check_mesh, check_out_dir, context_mode, o
 from ..launch import DTYPES as DTYPES  # re-exported: serve's options took it from the job
 from ..launch import LaunchSpec, add_launch_arguments, default_size, plan_launch
 from ..parallel.lora import LoraSpec, parse_lora_option
-from ..parallel.vae import resolve_parallel_vae
 from ..runner import load_pipeline
 from .channel import Channel
 from .liveness import EXIT_GRACE_S, Liveness
@@ -173,13 +172,12 @@ def _config(args, launch: LaunchSpec, world_size: int):
     checkpoint = launch.checkpoint
     mode = context_mode(checkpoint, launch.ulysses, launch.ring, launch.cp_any_length, compiled=bool(args.compile))
     cp = launch.ulysses * launch.ring
-    vae_min_pixels = resolve_parallel_vae(launch.parallel_vae, checkpoint.component_class_name("vae"), launch.group)
     return ServeConfig(checkpoint, checkpoint.adapter.size_limits(checkpoint),
                        args.sizes[0] if args.sizes else default_size(args.model), args.steps, args.max_steps,
                        args.max_pixels, launch.tp, world_size // (launch.tp * cp * launch.cfg), launch.cfg,
                        launch.dtype, sizes=args.sizes if args.compile else None, ulysses=launch.ulysses,
                        ring=launch.ring, cp_split=mode is not None and not mode.any_length, cache=launch.cache_text,
-                       plan=launch.plan, launch=launch, max_batch=args.batch_size, vae_min_pixels=vae_min_pixels)
+                       plan=launch.plan, launch=launch, max_batch=args.batch_size)
 
 
 class _Signals:

@@ -77,17 +77,21 @@ def make(pipe: ParallelPipeline, task: dict, leader: bool) -> dict | None:
 
 
 def _together(tasks: list[dict], batch_size: int | None) -> dict:
-    """One `generate` call's task for compatible `tasks` (equal `Work.batch_key`: the same call kwargs and LoRAs, no
-    image inputs, all with a negative prompt or none): their prompts in order, each image's own seed (each request's
-    seed was checked when it was accepted, so `seeds_for` cannot raise here)."""
+    """One `generate` call's task for compatible `tasks` (equal `Work.batch_key`: the same call kwargs and LoRAs, the
+    same kind and size of image inputs, all with a negative prompt or none): their prompts in order, each image's own
+    seed (each request's seeds were checked when it was accepted, so `seeds_for` cannot raise here), and (image
+    inputs) each prompt's own input image and mask (`per_prompt`)."""
     if len(tasks) == 1:
         return {**tasks[0], "batch_size": batch_size}
     first = tasks[0]
     negatives = None if first["negative_prompt"] is None else [
         one["negative_prompt"] for one in tasks for _ in one["prompts"]]
+    per_prompt = None
+    if first.get("images"):
+        per_prompt = [(one["images"], one.get("mask")) for one in tasks for _ in one["prompts"]]
     return {**first, "prompts": [prompt for one in tasks for prompt in one["prompts"]],
             "seed": [seed for one in tasks for seed in seeds_for(one["seed"], len(one["prompts"]))],
-            "negative_prompt": negatives, "batch_size": batch_size}
+            "negative_prompt": negatives, "batch_size": batch_size, "per_prompt": per_prompt}
 
 
 def _generate(pipe: ParallelPipeline, task: dict) -> tuple[list | None, Exception | None]:
@@ -120,7 +124,13 @@ def error_record(error: BaseException) -> dict:
 
 def image_inputs(task: dict) -> dict:
     """A task's image kwargs for `generate`: one image or a list of reference images, and the mask (each rank decodes
-    the same bytes, which rank 0 already decoded once to check them)."""
+    the same bytes, which rank 0 already decoded once to check them); for batched requests (`per_prompt`), a list with
+    each prompt's one image (and mask)."""
+    if task.get("per_prompt"):
+        rows = [{"image": open_image(images[0]), "mask_image": None if mask is None else open_image(mask)}
+                for images, mask in task["per_prompt"]]
+        return {"image": [row["image"] for row in rows]} | (
+            {} if rows[0]["mask_image"] is None else {"mask_image": [row["mask_image"] for row in rows]})
     images = [open_image(data) for data in task.get("images", ())]
     kwargs = {"image": images[0] if len(images) == 1 else images} if images else {}
     if task.get("mask") is not None:

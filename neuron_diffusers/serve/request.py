@@ -115,13 +115,6 @@ class ServeConfig:
     launch: object = dataclasses.field(default=None, repr=False, compare=False)
     #: `--max-batch`: the most images one stock call makes for compatible queued requests (1: one request a call).
     max_batch: int = 1
-    #: From what size (pixels) the parallel VAE splits a decode (`parallel.vae.resolve_parallel_vae`, as the
-    #: replicas load it), or None: such sizes run one request a call (a batch is not decoded across the group).
-    vae_min_pixels: int | None = None
-
-    def splits_vae(self, height: int, width: int) -> bool:
-        return self.vae_min_pixels is not None and height * width >= self.vae_min_pixels
-
     def check_split(self, height: int, width: int, where: str) -> None:
         """Under context parallelism without *_anything modes: refuse a size whose tokens `generate` could not split
         (the message names sizes nearby that do)."""
@@ -223,9 +216,9 @@ def plan_work(body: ImageRequest, config: ServeConfig, images: tuple[Upload, ...
              for r in requests]
     kwargs = call_kwargs(requests[0], adapter) | ({} if strength is None else {"strength": strength})
     chosen = tuple((lora["source"], lora["scale"]) for lora in loras)
-    # The job's rule (`job.batch_key`: size, steps, guidance, CFG pairing, negative prompt or none, no image inputs,
-    # no split decode), plus the LoRA set, which the job fixes for all its requests.
-    key = batch_key((requests[0], cfg > 1), adapter, config.splits_vae)
+    # The job's rule (`job.batch_key`: size, steps, guidance, CFG pairing, negative prompt or none, the kind and size
+    # of image inputs), plus the LoRA set, which the job fixes for all its requests.
+    key = batch_key((requests[0], cfg > 1), adapter)
     return Work(requests, body.response_format, texts, kwargs, tuple(upload.data for upload in images),
                 None if mask is None else mask.data, chosen, None if key is None else (key, chosen))
 
