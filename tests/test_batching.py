@@ -103,7 +103,6 @@ def test_bad_batch_arguments_are_refused_with_the_fix(tp2_reports):
     assert "positive integer" in leader["batch_size"]
     assert "Got 2 seeds for 3 prompts" in leader["seeds"]
     assert "positive integers" in leader["batch_sizes"]
-    assert "a step cache takes one skip decision for a whole batch" in leader["batch_sizes_cache"]
 
 
 def test_cfg_pair_true_cfg_batch_equals_each_image_alone(four_rank_reports):
@@ -243,8 +242,23 @@ def test_job_packs_mini_max_h3_under_the_parallel_vae_only():
 def test_job_batch_size_is_refused_where_a_call_cannot_batch(generate_refuses):
     generate_refuses(["--model", "wan", "--prompt", "a fox", "--batch-size", "2"],
                      "--batch-size 2: Wan's call here returns one clip")
-    generate_refuses(["--model", "flux", "--prompt", "a fox", "--batch-size", "2", "--cache", "first-block:0.1"],
-                     "--batch-size 2: a step cache takes one skip decision for a whole batch")
+
+
+def test_a_step_cache_batches_in_the_job_and_load_pipeline():
+    """A step cache is no reason to refuse a batch (it decides once per batched call, as stock does over the same
+    batch: tests/test_cache.py), where the job and `load_pipeline(batch_sizes=...)` used to refuse it; Wan's
+    refusal (the control) still stands."""
+    from diffusers import FirstBlockCacheConfig
+
+    from neuron_diffusers.cli import _parser
+    from neuron_diffusers.launch import plan_launch, spec_for
+
+    argv = ["generate", "--model", "flux", "--prompt", "a fox", "--out", "unused", "--batch-size", "2", "--compile",
+            "aot_eager", "--cache", "first-block:0.1"]
+    assert plan_launch(_parser().parse_args(argv), 1, "cpu").batch_sizes == (1, 2)  # the job's and the server's
+    assert check_batch_sizes((2, 1), spec_for("flux", cache=FirstBlockCacheConfig(threshold=0.1))) == (1, 2)
+    with pytest.raises(ValueError, match="Wan's call here returns one clip"):
+        check_batch_sizes((1, 2), spec_for("wan"))
 
 
 # -- bench throughput ----------------------------------------------------------------------------------------------
