@@ -263,19 +263,24 @@ def test_a_step_cache_batches_in_the_job_and_load_pipeline():
 
 # -- bench throughput ----------------------------------------------------------------------------------------------
 
-def test_bench_throughput_measures_batch_1_2_4_in_one_run(tiny_checkpoint, rank_pool, monkeypatch):
-    """`bench throughput`'s path at tiny size: the ranks' measurements (on the session's pool instead of spawned
-    ranks) become one table with images/s for batch 1, 2 and 4 side by side."""
+def test_bench_throughput_measures_batch_1_2_4_in_one_run(rank_pool, monkeypatch):
+    """`bench throughput`'s path at tiny size, through its slice of a family's transformer (`--width tiny --blocks
+    1`: the path `--width full` takes at the real width, built and loaded the same way): the ranks' measurements (on
+    the session's pool instead of spawned ranks) become one table with images/s for batch 1, 2 and 4 side by side."""
     from neuron_diffusers.tools.bench import throughput
 
     def on_pool(fn, ranks, *args, timeout_s):
         return rank_pool.run(fn, ranks, *args, timeout_s=timeout_s)
 
     monkeypatch.setattr(throughput, "run_on_cpu_ranks", on_pool)
-    result = throughput.measure(str(tiny_checkpoint("flux")), 2, steps=1, size=32, images=4, batches=[1, 2, 4],
-                                rounds=1)
+    with pytest.raises(ValueError, match="--model must be one of flux, flux2"):
+        throughput.measure("h3", 2, steps=1, size=32, images=4, batches=[1], rounds=1, width="full")
+    result = throughput.measure("flux", 2, steps=1, size=32, images=4, batches=[1, 2, 4], rounds=1, width="tiny",
+                                blocks=1)
     assert list(result["batches"]) == ["1", "2", "4"]
     for row in result["batches"].values():
         assert row["images_per_second"] > 0 and row["latency_p95_s"] >= row["latency_p50_s"] > 0
+    assert (result["width"], result["blocks"]) == ("tiny", 1) and result["transformer_params"] > 0
     table = throughput.format_table(result)
+    assert "tiny-width slice, 1 block(s) of each kind" in table.splitlines()[0]
     assert [line.split("|")[1].strip() for line in table.splitlines()[3:]] == ["1", "2", "4"]
