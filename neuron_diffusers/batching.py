@@ -20,6 +20,12 @@ whole call, and a batch of input images of different sizes, are refused before a
 (`image_inputs.batch_image_refusal`). The parallel VAE splits a batch's decode (and encode) over the image group as it
 splits one image's, every band carrying every row (tested per image family).
 
+Step caches: a cache decides once per transformer forward for the whole stock call, as stock does over the batch
+tensor (FirstBlockCache's residual means cover every row), and the group shares that decision (`parallel/cache.py`).
+A batched image then equals stock's image in the same batch with the same cache (tested at 1e-4 on latents,
+tests/test_cache.py), not necessarily the image made alone: the batch may skip a step one of its images alone would
+compute. Every image of a call reports the call's counts.
+
 Static shapes: a pipeline loaded with `batch_sizes=(1, 2, 4)` runs every batch at a declared size, a short batch
 padded with copies of its last row (their images are dropped), a long one split, so a compiled pipeline meets only
 shapes its warm-up compiled.
@@ -34,15 +40,13 @@ from .pipelines.base import check_seeds
 from .pipelines.image_inputs import batch_image_refusal
 
 
-def batch_refusal(adapter, cache, context_parallel: bool) -> str | None:
+def batch_refusal(adapter, context_parallel: bool) -> str | None:
     """Why a pipeline cannot make several images per stock call, whatever the call (None: it can): the one rule
     `load_pipeline(batch_sizes=...)`, the shared `--batch-size` / `--max-batch` option (`launch.plan_launch`) and
-    `generate` (`check_batchable`) refuse by, before anything runs."""
+    `generate` (`check_batchable`) refuse by, before anything runs. A step cache is no reason: it decides once per
+    stock call, as stock does over the same batch (the module doc)."""
     if adapter.batch_refusal:
         return adapter.batch_refusal
-    if cache is not None:
-        return ("a step cache takes one skip decision for a whole batch (diffusers computes it over the batch "
-                "tensor), so a batched image could differ from the image made alone")
     if context_parallel and adapter.cp_block_causal:
         return f"{adapter.pipeline_class}'s batches are not verified under context parallelism yet"
     if context_parallel and adapter.cp_batch_refusal:
@@ -64,7 +68,7 @@ def check_batch_sizes(batch_sizes, spec=None) -> tuple[int, ...] | None:
     if not sizes or not all(is_positive_int(size) for size in sizes):
         raise ValueError(f"`batch_sizes` must be a non-empty list of positive integers (the batch shapes a compiled "
                          f"pipeline declares, e.g. (1, 2, 4)), got {batch_sizes!r:.80}.")
-    why = None if spec is None or max(sizes) == 1 else batch_refusal(spec.checkpoint.adapter, spec.cache,
+    why = None if spec is None or max(sizes) == 1 else batch_refusal(spec.checkpoint.adapter,
                                                                      spec.ulysses * spec.ring > 1)
     if why:
         raise ValueError(f"`batch_sizes={sizes}`: {why}. Leave `batch_sizes` out.")
@@ -134,12 +138,12 @@ def seeds_for(seed, count: int) -> list[int]:
     return [seed + index for index in range(count)]
 
 
-def check_batchable(adapter, *, image_rows: list[list[dict]], cache, context_parallel: bool) -> None:
+def check_batchable(adapter, *, image_rows: list[list[dict]], context_parallel: bool) -> None:
     """Refuse, before anything runs, a batch of more than one image where this path is not shown exact: what refuses
     any batch of this pipeline (`batch_refusal`), and what refuses this call's (`image_rows`: each multi-row call's
     image inputs, one dict per row, `image_inputs.batch_image_refusal`). The parallel VAE splits a batch's decode
     (and encode) as it splits one image's: every band carries every row (tested, `tests/test_batching.py`)."""
-    reasons = [batch_refusal(adapter, cache, context_parallel)]
+    reasons = [batch_refusal(adapter, context_parallel)]
     reasons += [batch_image_refusal(adapter, rows) for rows in image_rows]
     reasons = list(dict.fromkeys(reason for reason in reasons if reason))
     if reasons:

@@ -736,8 +736,10 @@ def _make_batch(plan: JobPlan, pipe, requests: list[Request], with_partner: bool
     error = None
     if outputs is not None:  # the rank that holds the images saves them
         seconds = (time.perf_counter() - start) / len(requests)
-        for request, output in zip(requests, outputs, strict=True):
-            error = _save(plan, pipe, request, output, with_partner, dp, images, seconds, len(requests))
+        # Each image's step-cache counts: its stock call's (a batch decides once for all its rows).
+        counts = pipe.cache_counts[-len(requests):] if pipe.cache is not None else [None] * len(requests)
+        for request, output, cache in zip(requests, outputs, counts, strict=True):
+            error = _save(plan, pipe, request, output, with_partner, dp, images, seconds, len(requests), cache)
             if error is not None:
                 break
         if error is None and default_store().check([_FAILED_KEY]):
@@ -746,8 +748,9 @@ def _make_batch(plan: JobPlan, pipe, requests: list[Request], with_partner: bool
 
 
 def _save(plan: JobPlan, pipe, request: Request, output, with_partner: bool, dp: int, images: list,
-          seconds: float, batch: int) -> OutputWriteError | None:
-    """Write one output with its settings and record it in `images`; the error (a full disk) instead of raising."""
+          seconds: float, batch: int, cache: dict | None) -> OutputWriteError | None:
+    """Write one output with its settings and record it in `images` (with `cache`, its step-cache counts); the error
+    (a full disk) instead of raising."""
     save_start = time.perf_counter()
     path = plan.out_dir / request.file_name(pipe.adapter.output_suffix)
     try:
@@ -764,7 +767,7 @@ def _save(plan: JobPlan, pipe, request: Request, output, with_partner: bool, dp:
     images.append({**asdict(request), "file": path.name, "seconds": round(seconds + save_seconds, 4),
                    "save_seconds": round(save_seconds, 4), "rank": dist.get_rank(), "cfg_parallel": with_partner,
                    **({"batch": batch} if batch > 1 else {}),
-                   **({"cache": pipe.cache_counts[-1]} if pipe.cache is not None else {})})
+                   **({"cache": cache} if cache is not None else {})})
     return None
 
 

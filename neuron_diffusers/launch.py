@@ -299,8 +299,8 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
     runner_mode(checkpoint, checkpoint.adapter.buckets, args.ulysses, args.ring, args.cp_any_length,
                 compiled=bool(args.compile))
     quantize = check_launch_quantize(checkpoint, tp_plan, tp, getattr(args, "quantize", None))
-    batch_sizes = launch_batch_sizes(checkpoint.adapter, getattr(args, "batch_size", 1), cache,
-                                     args.ulysses * args.ring > 1, bool(args.compile))
+    batch_sizes = launch_batch_sizes(checkpoint.adapter, getattr(args, "batch_size", 1), args.ulysses * args.ring > 1,
+                                     bool(args.compile))
     return LaunchSpec(checkpoint, tp=tp, ulysses=args.ulysses, ring=args.ring, cfg=pairs,
                       mesh_order=args.mesh_order, cross_node=args.cross_node, cp_any_length=args.cp_any_length,
                       plan=plan_text, tp_plan=tp_plan,
@@ -309,12 +309,12 @@ def plan_launch(args, world_size: int, device_type: str, *, steps: int | None = 
                       loras=read_loras(checkpoint, loras), quantize=quantize, batch_sizes=batch_sizes)
 
 
-def launch_batch_sizes(adapter, batch_size: int, cache, context_parallel: bool, compiled: bool):
+def launch_batch_sizes(adapter, batch_size: int, context_parallel: bool, compiled: bool):
     """`--batch-size` / `--max-batch` N checked before any weight is read (`batching.batch_refusal`: the rule
     `generate` refuses by); compiled, the batch shapes it declares (1, 2, 4, ..., N), else None."""
     if batch_size == 1:
         return None
-    why = batch_refusal(adapter, cache, context_parallel)
+    why = batch_refusal(adapter, context_parallel)
     if why:
         raise ValueError(f"--batch-size {batch_size}: {why}. Leave --batch-size (--max-batch) out (1).")
     return declared_sizes(batch_size) if compiled else None

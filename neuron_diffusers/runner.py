@@ -127,8 +127,9 @@ class ParallelPipeline:
     #: On ranks without a VAE, for classes that take images: loads (once, at the first call with images) what
     #: `pipe.vae` answers with there (`vae_without_coders`), so text-to-image calls read nothing more.
     follower_vae: Callable[[], torch.nn.Module] | None = None
-    #: With a step cache: per image this rank denoised, its transformer forwards computed and served from the cache
-    #: (`{"computed", "cached", "by_context"}`; with CFG parallelism both branches', summed over the pair).
+    #: With a step cache: per image this rank denoised, in the call's image order, its transformer forwards computed
+    #: and served from the cache (`{"computed", "cached", "by_context"}`; with CFG parallelism both branches', summed
+    #: over the pair). The images of one stock call (a batch) share its forwards, so each gets the call's counts.
     cache_counts: list = field(default_factory=list)
     #: The sizes the checkpoint can make (`height` / `width` are checked against it before a call does anything).
     size_limits: SizeLimits | None = None
@@ -235,7 +236,7 @@ class ParallelPipeline:
         several = [batch for batch in batches if padded_count(len(batch), self.batch_sizes) > 1]
         if several:
             check_batchable(self.adapter, image_rows=[[rows[i] for i in batch] for batch in several] if rows else [],
-                            cache=self.cache, context_parallel=self.cp_mode is not None)
+                            context_parallel=self.cp_mode is not None)
         return batches
 
     def _make_mine(self, batches, texts, seeds, joint, check_latents_every, pipeline_kwargs,
@@ -285,7 +286,7 @@ class ParallelPipeline:
         `rows`): one stock call, or one per group of rows the adapter lets share a call (`batching.stack_calls`), each
         padded to a declared batch size with copies of its last row (dropped); whatever fails on some rank of the
         group fails on all of them."""
-        made, error = {}, None
+        made, counts, error = {}, {}, None
         try:
             with self.times.phase("encode"):
                 calls = [([0], _prompt_strings(*texts[0]))] if in_call else self._encode(texts, encode_kwargs)
@@ -294,6 +295,7 @@ class ParallelPipeline:
                 images = call_image_kwargs([rows[p] for p in padded]) if rows else {}
                 output = self._denoise(embeds, [seeds[p] for p in padded], joint, check_latents_every,
                                        {**pipeline_kwargs, **images}, images, in_call)
+                counts.update(dict.fromkeys(positions, self._call_counts(joint)))
                 if output is not None:
                     made.update(zip(positions, [output] if len(padded) == 1 else output, strict=False))
         except dist.DistError:
@@ -301,6 +303,8 @@ class ParallelPipeline:
         except Exception as caught:
             error = caught
         raise_agreed(error, image_group(self.mesh), self.mesh["cfg"].get_group() if joint else None)
+        if self.cache is not None:  # in image order (Qwen-Image-2.1 makes a batch's text lengths one call each)
+            self.cache_counts.extend(counts[position] for position in sorted(counts))
         return [made.get(position) for position in range(len(texts))]
 
     def _denoise(self, embeds: dict, seeds: list[int], joint: bool, check_latents_every: int | None,
@@ -336,13 +340,19 @@ class ParallelPipeline:
             output = self.adapter(self.pipe, swap_branches(embeds) if branch else embeds, generator=generator,
                                   decodes=self.is_leader and branch == 0, check=check, buckets=self.buckets,
                                   helps_decode=splits_vae and branch == 0, **pipeline_kwargs)
-        if cache is not None:
-            counts = [cache.counts.as_dict()]
-            if joint:  # each rank of the pair computed one branch of this image: count both
-                counts = [None, None]
-                dist.all_gather_object(counts, cache.counts.as_dict(), group=cfg_group)
-            self.cache_counts.append(sum_counts(counts))
         return output
+
+    def _call_counts(self, joint: bool) -> dict | None:
+        """The last stock call's transformer forwards, computed and served from the cache (None without a cache): one
+        decision per forward for the call's whole batch, so every image of it shares them."""
+        cache = self.cache
+        if cache is None:
+            return None
+        counts = [cache.counts.as_dict()]
+        if joint:  # each rank of the pair computed one branch of these images: count both
+            counts = [None, None]
+            dist.all_gather_object(counts, cache.counts.as_dict(), group=self.mesh["cfg"].get_group())
+        return sum_counts(counts)
 
     def _check_context_parallel(self, pipeline_kwargs: dict) -> None:
         """Under the plain context-parallel modes, refuse a call whose sequences do not split evenly, before a step."""

@@ -64,17 +64,12 @@ def _refusal(fn, *args, **kwargs) -> str:
 
 
 def _argument_refusals(pipe, call: dict, checkpoint, mesh) -> dict:
-    """What a bad `batch_size`, a seed list of the wrong length and bad `batch_sizes` (also: with a step cache) are
-    told."""
-    from diffusers import FirstBlockCacheConfig
-
+    """What a bad `batch_size`, a seed list of the wrong length and bad `batch_sizes` are told."""
     import neuron_diffusers as nd
 
     return {"batch_size": _refusal(pipe.generate, PROMPTS, batch_size=0, **call),
             "seeds": _refusal(pipe.generate, PROMPTS, seed=[1, 2], **call),
-            "batch_sizes": _refusal(nd.load_pipeline, checkpoint, mesh, batch_sizes=(0, 2)),
-            "batch_sizes_cache": _refusal(nd.load_pipeline, checkpoint, mesh, batch_sizes=(1, 2),
-                                          cache=FirstBlockCacheConfig(threshold=0.1))}
+            "batch_sizes": _refusal(nd.load_pipeline, checkpoint, mesh, batch_sizes=(0, 2))}
 
 
 def batch_tp2_job(checkpoints: dict, calls: dict, image_calls: dict | None = None) -> dict:

@@ -63,6 +63,11 @@ def call_of(family: str) -> dict:
     return call
 
 
+#: One batch of `generate(batch_size=3)` under a cache, image i seeded 0 + i (stock: a list of generators).
+BATCH = [PROMPT, "a lighthouse on a cliff at dusk", "a red fox on the snow"]
+#: The (family, cache) cases whose TP=2 job also makes `BATCH` in one call.
+BATCHED = (("flux", "first-block"), ("flux", "taylorseer"))
+
 #: True classifier-free guidance: a negative prompt and a scale above 1 (FLUX.1 and Qwen-Image alike).
 TRUE_CFG = {"negative_prompt": NEGATIVE, "true_cfg_scale": 4.0}
 
@@ -79,6 +84,14 @@ def as_arrays(output) -> dict | None:
 def _generation(pipe, family: str, **kwargs) -> dict:
     outputs = pipe.generate(PROMPT, seed=0, **{**call_of(family), **kwargs})
     return {"output": as_arrays(outputs[0] if outputs else None), "counts": pipe.cache_counts[-1],
+            "decisions": [(d.context, d.local, d.shared) for d in pipe.cache.decisions]}
+
+
+def _batched(pipe, family: str) -> dict:
+    """`BATCH` in one stock call (latents), with each image's counts and the call's shared decisions."""
+    outputs = pipe.generate(BATCH, seed=0, batch_size=len(BATCH), **{**call_of(family), "output_type": "latent"})
+    return {"latents": None if outputs is None else [output.float().numpy() for output in outputs],
+            "counts": pipe.cache_counts[-len(BATCH):],
             "decisions": [(d.context, d.local, d.shared) for d in pipe.cache.decisions]}
 
 
@@ -152,16 +165,20 @@ def _compiled(pipe, group) -> dict:
             "graph_breaks": after["graph_breaks"] - start["graph_breaks"]}
 
 
-def _case_check(checkpoint, family: str, name, mesh_kwargs: dict, extras: bool, **kwargs) -> dict:
+def _case_check(checkpoint, family: str, name, mesh_kwargs: dict, extras: bool, batched: bool = False,
+                **kwargs) -> dict:
     """One cached generation (`generation`: output, counts and decisions) on `init_distributed(**mesh_kwargs)`; with
-    `extras` (FLUX.1's first-block case at TP=2) also the perturbation and the compiled run on the same pipeline."""
+    `batched`, `BATCH` in one call (`batched`); with `extras` (FLUX.1's first-block case at TP=2) also the
+    perturbation and the compiled run on the same pipeline."""
     report = {}
     with one_thread():
         mesh = nd.init_distributed(**mesh_kwargs)
         pipe = record(report, "generation", nd.load_pipeline, checkpoint, mesh, cache=config_of(name))
         if isinstance(pipe, CaseError):
-            return dict.fromkeys(("generation", "perturbation", "compiled"), pipe)
+            return dict.fromkeys(("generation", "batched", "perturbation", "compiled"), pipe)
         record(report, "generation", _generation, pipe, family, **kwargs)
+        if batched:
+            record(report, "batched", _batched, pipe, family)
         if extras:
             group = mesh["tp"].get_group()
             record(report, "perturbation", _perturbation, pipe, group)
@@ -173,10 +190,10 @@ def _case_check(checkpoint, family: str, name, mesh_kwargs: dict, extras: bool, 
 
 
 def tp2_case_check(checkpoint, family: str, name) -> dict:
-    """At TP=2: the cached generation of (`family`, cache `name`); FLUX.1's first-block case also runs the
-    perturbation and the compiled blocks."""
+    """At TP=2: the cached generation of (`family`, cache `name`); the `BATCHED` cases also a batch of three,
+    FLUX.1's first-block case the perturbation and the compiled blocks."""
     extras = (family, name) == ("flux", "first-block")
-    return _case_check(checkpoint, family, name, {"tp": 2}, extras)
+    return _case_check(checkpoint, family, name, {"tp": 2}, extras, batched=(family, name) in BATCHED)
 
 
 def cfg_pair_case_check(checkpoint, family: str, name) -> dict:

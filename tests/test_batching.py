@@ -173,7 +173,6 @@ def test_bad_batch_arguments_are_refused_with_the_fix(tp2_reports):
     assert "positive integer" in leader["batch_size"]
     assert "Got 2 seeds for 3 prompts" in leader["seeds"]
     assert "positive integers" in leader["batch_sizes"]
-    assert "a step cache takes one skip decision for a whole batch" in leader["batch_sizes_cache"]
 
 
 def test_cfg_pair_true_cfg_batch_equals_each_image_alone(four_rank_reports):
@@ -354,25 +353,45 @@ def test_served_batch_gives_each_prompt_its_own_image():
 def test_job_batch_size_is_refused_where_a_call_cannot_batch(generate_refuses):
     generate_refuses(["--model", "wan", "--prompt", "a fox", "--batch-size", "2"],
                      "--batch-size 2: Wan's call here returns one clip")
-    generate_refuses(["--model", "flux", "--prompt", "a fox", "--batch-size", "2", "--cache", "first-block:0.1"],
-                     "--batch-size 2: a step cache takes one skip decision for a whole batch")
+
+
+def test_a_step_cache_batches_in_the_job_and_load_pipeline():
+    """A step cache is no reason to refuse a batch (it decides once per batched call, as stock does over the same
+    batch: tests/test_cache.py), where the job and `load_pipeline(batch_sizes=...)` used to refuse it; Wan's
+    refusal (the control) still stands."""
+    from diffusers import FirstBlockCacheConfig
+
+    from neuron_diffusers.cli import _parser
+    from neuron_diffusers.launch import plan_launch, spec_for
+
+    argv = ["generate", "--model", "flux", "--prompt", "a fox", "--out", "unused", "--batch-size", "2", "--compile",
+            "aot_eager", "--cache", "first-block:0.1"]
+    assert plan_launch(_parser().parse_args(argv), 1, "cpu").batch_sizes == (1, 2)  # the job's and the server's
+    assert check_batch_sizes((2, 1), spec_for("flux", cache=FirstBlockCacheConfig(threshold=0.1))) == (1, 2)
+    with pytest.raises(ValueError, match="Wan's call here returns one clip"):
+        check_batch_sizes((1, 2), spec_for("wan"))
 
 
 # -- bench throughput ----------------------------------------------------------------------------------------------
 
-def test_bench_throughput_measures_batch_1_2_4_in_one_run(tiny_checkpoint, rank_pool, monkeypatch):
-    """`bench throughput`'s path at tiny size: the ranks' measurements (on the session's pool instead of spawned
-    ranks) become one table with images/s for batch 1, 2 and 4 side by side."""
+def test_bench_throughput_measures_batch_1_2_4_in_one_run(rank_pool, monkeypatch):
+    """`bench throughput`'s path at tiny size, through its slice of a family's transformer (`--width tiny --blocks
+    1`: the path `--width full` takes at the real width, built and loaded the same way): the ranks' measurements (on
+    the session's pool instead of spawned ranks) become one table with images/s for batch 1, 2 and 4 side by side."""
     from neuron_diffusers.tools.bench import throughput
 
     def on_pool(fn, ranks, *args, timeout_s):
         return rank_pool.run(fn, ranks, *args, timeout_s=timeout_s)
 
     monkeypatch.setattr(throughput, "run_on_cpu_ranks", on_pool)
-    result = throughput.measure(str(tiny_checkpoint("flux")), 2, steps=1, size=32, images=4, batches=[1, 2, 4],
-                                rounds=1)
+    with pytest.raises(ValueError, match="--model must be one of flux, flux2"):
+        throughput.measure("h3", 2, steps=1, size=32, images=4, batches=[1], rounds=1, width="full")
+    result = throughput.measure("flux", 2, steps=1, size=32, images=4, batches=[1, 2, 4], rounds=1, width="tiny",
+                                blocks=1)
     assert list(result["batches"]) == ["1", "2", "4"]
     for row in result["batches"].values():
         assert row["images_per_second"] > 0 and row["latency_p95_s"] >= row["latency_p50_s"] > 0
+    assert (result["width"], result["blocks"]) == ("tiny", 1) and result["transformer_params"] > 0
     table = throughput.format_table(result)
+    assert "tiny-width slice, 1 block(s) of each kind" in table.splitlines()[0]
     assert [line.split("|")[1].strip() for line in table.splitlines()[3:]] == ["1", "2", "4"]

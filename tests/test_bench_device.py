@@ -17,7 +17,7 @@ from neuron_diffusers import families
 from neuron_diffusers.runner import load_pipeline
 from neuron_diffusers.tools.bench import device
 
-PHASES = ["build", "load", "warmup", "prompts", "ours", "stock_cpu_encoder", "stock", "done"]
+PHASES = ["build", "load", "warmup", "prompts", "ours", "batch", "stock_cpu_encoder", "stock", "fp8", "done"]
 
 
 TESTED_FAMILIES = list(families.PIPELINE_FAMILIES)
@@ -62,9 +62,29 @@ def test_tiny_run_prints_every_phase_of_every_family_with_measured_figures():
             assert row[run]["step_ms"] == pytest.approx(statistics.median(times), abs=0.01)
             steps.append(row[run]["step_ms"])
         assert 0 < row["build"]["peak_gib"] <= row["done"]["peak_gib"]
-    # Measured, not constant: no two runs (ours, stock; every family) report the same step time.
+        _check_batch_and_fp8_rows(name, row)
+        steps += [row["batch"]["eager_step_ms"], row["fp8"]["step_ms"]]
+    # Measured, not constant: no two runs (ours, stock, eager bf16, fp8; every family) report the same step time.
     assert len(set(steps)) == len(steps), steps
-    assert "| flux |" in device.summary(lines)
+    table = device.summary(lines)
+    assert "| flux |" in table and "| batch N / batch 1 (images/s) | bf16 / fp8 (eager step) |" in table
+    assert "| refused |" in next(line for line in table.splitlines() if line.startswith("| wan |"))
+
+
+def _check_batch_and_fp8_rows(name: str, row: dict) -> None:
+    """#31's batch row (images/s at batch 1 and 4, 2 on the tiny checkpoints; Wan refuses, with the reason) and #30's
+    fp8 row (its eager step beside the bf16 one of the batch row), measured."""
+    batch = row["batch"]
+    assert batch["images"] == 2 and batch["images_per_s"]["1"] > 0 and batch["eager_step_ms"] > 0
+    if name == "wan":
+        assert "returns one clip" in batch["refused"] and batch["speedup"] is None
+    else:
+        assert batch["refused"] is None and batch["images_per_s"]["2"] > 0
+        assert batch["speedup"] == pytest.approx(batch["images_per_s"]["2"] / batch["images_per_s"]["1"], rel=1e-2)
+    fp8 = row["fp8"]
+    assert fp8["ok"] and fp8["quantize"] == "fp8:16", fp8
+    assert fp8["forwards"] == len(fp8["forward_ms"]) >= 1 and min(fp8["forward_ms"]) > 0
+    assert fp8["bf16_step_ms"] == batch["eager_step_ms"]
 
 
 def test_load_pipeline_refuses_a_prebuilt_transformer_of_another_class_or_on_several_ranks(tiny_checkpoint):

@@ -94,27 +94,53 @@ def _call(pipe, family, **kwargs):
         return {"image": pipe(prompt=cache_jobs.PROMPT, generator=generator, **call).images[0]}
 
 
+def _batch_call(pipe, family, prompts=cache_jobs.BATCH):
+    """Stock's own batch: `prompts` as one prompt list, image i's generator seeded i; each row's latents."""
+    generators = [torch.Generator().manual_seed(index) for index in range(len(prompts))]
+    with torch.no_grad():
+        latents = pipe(prompt=list(prompts), generator=generators,
+                       **{**cache_jobs.call_of(family), "output_type": "latent"}).images
+    return [row.float().numpy() for row in latents]
+
+
 _STOCK = {}
+
+
+def _probed(pipe, family, name, control, run, config=None):
+    """`run()` under stock `enable_cache`, and per transformer forward in call order whether it computed the part the
+    cache skips (the probe module ran). `control`: the same cache at another threshold; `config`: this one."""
+    transformer = pipe.transformer
+    if config is None:
+        config = cache_jobs.control_config_of(name) if control else cache_jobs.config_of(name)
+    transformer.enable_cache(config)
+    ran = []
+    handles = [transformer.register_forward_pre_hook(lambda *_: ran.append(False)),
+               transformer.get_submodule(PROBES[family, name]).register_forward_pre_hook(
+                   lambda *_: ran.__setitem__(-1, True))]
+    try:
+        return run(), ran
+    finally:
+        for handle in handles:
+            handle.remove()
+        transformer.disable_cache()
 
 
 def stock_cached(pipe, family, name, control=False, **kwargs):
     """Stock `enable_cache` alone (once per argument set): the output and, per transformer forward in call order,
-    whether it computed the part the cache skips (the probe module ran). `control`: the same cache at another
-    threshold (`cache_jobs.control_config_of`), the output only."""
+    whether it computed the part the cache skips. `control`: the same cache at another threshold
+    (`cache_jobs.control_config_of`), the output only."""
     key = (family, name, control, tuple(sorted(kwargs.items())))
     if key not in _STOCK:
-        transformer = pipe.transformer
-        transformer.enable_cache(cache_jobs.control_config_of(name) if control else cache_jobs.config_of(name))
-        ran = []
-        handles = [transformer.register_forward_pre_hook(lambda *_: ran.append(False)),
-                   transformer.get_submodule(PROBES[family, name]).register_forward_pre_hook(
-                       lambda *_: ran.__setitem__(-1, True))]
-        try:
-            _STOCK[key] = _call(pipe, family, **kwargs), ran
-        finally:
-            for handle in handles:
-                handle.remove()
-            transformer.disable_cache()
+        _STOCK[key] = _probed(pipe, family, name, control, lambda: _call(pipe, family, **kwargs))
+    return _STOCK[key]
+
+
+def stock_batch(pipe, family, name, control=False):
+    """Stock `enable_cache` on stock's batch of `cache_jobs.BATCH` (once): each row's latents, and per forward of the
+    one call whether it computed the skipped part."""
+    key = (family, name, control, "batch")
+    if key not in _STOCK:
+        _STOCK[key] = _probed(pipe, family, name, control, lambda: _batch_call(pipe, family))
     return _STOCK[key]
 
 
@@ -179,6 +205,59 @@ def test_tp2_computes_the_forwards_stock_computes(cases, stock_pipes, family, na
         assert rank["counts"]["computed"] == sum(ran) and rank["counts"]["cached"] == len(ran) - sum(ran)
         if name == "first-block":  # one decision per forward
             assert _shared(rank) == ran
+
+
+# -- a batch at TP=2 against stock's batch --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family, name", cache_jobs.BATCHED)
+def test_tp2_cached_batch_equals_stock_with_the_same_batch(cases, stock_pipes, family, name):
+    """A batch of three prompts in one `generate` call under a cache: each image's latents are stock's, run on the
+    same batch (one prompt list, generators seeded 0, 1, 2) with the same cache, within 1e-4; the control: stock's
+    batch at another threshold (nothing skipped) lies further."""
+    expected, _ = stock_batch(stock_pipes(family), family, name)
+    control, _ = stock_batch(stock_pipes(family), family, name, control=True)
+    leader, other = case(cases("tp2", family, name), "batched")
+    assert other["latents"] is None and len(leader["latents"]) == len(expected) == len(cache_jobs.BATCH)
+    for index, (ours, stock, moved) in enumerate(zip(leader["latents"], expected, control, strict=True)):
+        _assert_close_with_control({"latents": ours}, {"latents": stock}, {"latents": moved},
+                                   f"{family} {name} batch image {index}")
+
+
+@pytest.mark.parametrize("family, name", cache_jobs.BATCHED)
+def test_tp2_cached_batch_takes_stocks_decisions_for_the_whole_batch(cases, stock_pipes, family, name):
+    """One decision per forward for the whole batch, shared by both ranks: stock's, on the same batch; each image of
+    the batch counts the call's forwards. The control: the same cache at another threshold skips nothing."""
+    _, ran = stock_batch(stock_pipes(family), family, name)
+    _, ran_control = stock_batch(stock_pipes(family), family, name, control=True)
+    assert 0 < sum(ran) < len(ran), f"the cache must skip some of the batch's forwards and compute others: {ran}"
+    assert all(ran_control), f"the control skips too: {ran_control}"
+    leader, other = case(cases("tp2", family, name), "batched")
+    assert leader["decisions"] == other["decisions"]
+    for rank in (leader, other):
+        for counts in rank["counts"]:
+            assert counts["computed"] == sum(ran) and counts["cached"] == len(ran) - sum(ran)
+        if name == "first-block":
+            assert _shared(rank) == ran
+
+
+def test_a_batch_decides_once_so_its_image_can_differ_from_the_image_made_alone(stock_pipes):
+    """Why "equals stock with the same batch" and not "equals the image made alone": stock FirstBlockCache takes one
+    decision per forward from the whole batch's residual. At a threshold between the batch's step-1 metric (0.3335
+    here) and image 0's own (0.3377), stock's batch skips step 1 where image 0 alone computes it, and image 0's
+    latents move by more than the tolerance; at `THRESHOLD` (0.5) the two decide alike (the control)."""
+    from diffusers import FirstBlockCacheConfig
+
+    pipe, between = stock_pipes("flux"), FirstBlockCacheConfig(threshold=0.335)
+    made = {}
+    for threshold, config in (("between", between), ("control", cache_jobs.config_of("first-block"))):
+        made[threshold] = [_probed(pipe, "flux", "first-block", False, lambda p=prompts: _batch_call(pipe, "flux", p),
+                                   config) for prompts in (cache_jobs.BATCH, cache_jobs.BATCH[:1])]
+    (batch, ran_batch), (alone, ran_alone) = made["between"]
+    assert ran_batch[1] is False and ran_alone[1] is True, (ran_batch, ran_alone)
+    assert float(np.abs(batch[0] - alone[0]).max()) > TOLERANCE
+    (batch, ran_batch), (alone, ran_alone) = made["control"]
+    assert ran_batch == ran_alone and float(np.abs(batch[0] - alone[0]).max()) < TOLERANCE
 
 
 # -- a CFG pair with true CFG ------------------------------------------------------------------------------------------

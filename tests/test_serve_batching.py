@@ -89,8 +89,8 @@ def test_the_scheduler_batches_only_compatible_requests_up_to_max_batch_images()
 
 
 def test_max_batch_is_refused_where_a_call_cannot_batch(capsys):
-    assert main(["serve", "--max-batch", "2", "--cache", "first-block:0.1", "--port", "0"]) == 2
-    assert "--batch-size 2: a step cache takes one skip decision for a whole batch" in capsys.readouterr().err
+    assert main(["serve", "--model", "wan", "--max-batch", "2", "--port", "0"]) == 2
+    assert "--batch-size 2: Wan's call here returns one clip" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="2"):
         main(["serve", "--batch-wait-ms", "-1", "--port", "0"])
     assert "must be a number of at least 0" in capsys.readouterr().err
@@ -108,6 +108,8 @@ def test_a_compiled_server_declares_its_batch_shapes():
     compiled = planned("--compile", "aot_eager")
     assert compiled.launch.batch_sizes == (1, 2, 4, 6) and compiled.max_batch == 6
     assert planned().launch.batch_sizes is None
+    cached = planned("--cache", "first-block:0.1")  # a step cache batches: one decision per batched call
+    assert cached.max_batch == 6 and cached.launch.cache is not None
 
 
 def _job(rank_pool, folder, lines: list[dict], *argv: str) -> dict:

@@ -4,7 +4,9 @@ Per family, in its own process with its own time box (`device_family.py`, one JS
 default transformer with random bf16 weights built on the device (no Hub), `load_pipeline` with the text encoder on
 CPU and that transformer on the device, `compile_repeated_blocks(backend="auto")` + `warmup`, graphs and
 recompiles over 20 prompt lengths, then the median transformer step of ours vs stock (a fresh transformer, stock
-`compile_repeated_blocks`, the stock pipeline) on one device at 1024x1024, with peak device memory.
+`compile_repeated_blocks`, the stock pipeline) on one device at 1024x1024, with peak device memory. Two rows more:
+images per second at batch 1 vs batch 4 (#31) and the median step with fp8 weights (`load_pipeline(quantize=
+"fp8")`, #30) beside bf16's, both eager (`device_family.py` says why).
 
 A family that hangs, runs out of memory or crashes prints its last phase and the next family starts: the time box
 of each is what is left of `--total-s` shared by the families still to run, so a fast family leaves more to the
@@ -116,17 +118,22 @@ def _text_line(result: dict) -> str:
 
 
 def summary(results: list[dict]) -> str:
-    """A markdown table: per family, recompiles after warm-up, median step ours vs stock, peak memory."""
-    lines = ["| family | recompiles (20 lengths) | ours step ms | stock step ms | stock / ours | peak GiB | last phase "
-             "|", "|---|---:|---:|---:|---:|---:|---|"]
+    """A markdown table: per family, recompiles after warm-up, median step ours vs stock, images/s at batch N (4;
+    tiny: 2) over batch 1, the eager step's bf16 / fp8, peak memory."""
+    lines = ["| family | recompiles (20 lengths) | ours step ms | stock step ms | stock / ours | batch N / batch 1 "
+             "(images/s) | bf16 / fp8 (eager step) | peak GiB | last phase |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for family in dict.fromkeys(r["family"] for r in results):
         rows = {r["phase"]: r for r in results if r["family"] == family}
         ours, stock = rows.get("ours", {}).get("step_ms"), rows.get("stock", {}).get("step_ms")
         ratio = f"{stock / ours:.2f}" if ours and stock else "-"
+        batch = rows.get("batch", {}).get("speedup") or ("refused" if rows.get("batch", {}).get("refused") else "-")
+        fp8 = rows.get("fp8", {})
+        fp8 = fp8.get("bf16_over_fp8") or ("error" if fp8.get("ok") is False else "-")
         last = list(rows)[-1]
         peak = max((r.get("peak_gib", 0) for r in rows.values()), default=0)
         lines.append(f"| {family} | {rows.get('prompts', {}).get('recompiles', '-')} | {ours or '-'} | "
-                     f"{stock or '-'} | {ratio} | {peak} | {last} |")
+                     f"{stock or '-'} | {ratio} | {batch} | {fp8} | {peak} | {last} |")
     return "\n".join(lines)
 
 

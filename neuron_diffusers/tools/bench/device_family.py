@@ -5,8 +5,14 @@ text encoder on CPU, transformer on the device), `warmup` (`compile_repeated_blo
 `prompts` (20 prompt lengths after warm-up: graphs and recompiles), `ours` (median transformer forward of one
 `generate`), `stock_cpu_encoder` (the stock pipeline with its text encoder on CPU beside the device transformer),
 `stock` (a fresh transformer with the same weights, stock `compile_repeated_blocks` of the same block classes, the
-stock pipeline called with the same padded embeddings on the device), then `done`. A failure prints an `error`
-line naming its phase; what was printed before it stands.
+stock pipeline called with the same padded embeddings on the device), `fp8` (`load_pipeline(quantize="fp8")` on
+another transformer with the same weights, built once stock's is freed: its median eager step beside `batch`'s
+bf16 one; on the tiny checkpoints `fp8:16`, the block their widths divide), then `done`. In between, after `ours`:
+`batch` (images per second at batch 1 and at batch 4, the same four images, eager: the compiled graphs are batch
+1's, and compiling batch 4's would take minutes of the time box at full size; batch 2 on the tiny checkpoints).
+A failure prints an `error` line naming its phase; what was printed before it stands. `batch` reports a pipeline
+that cannot batch (Wan) and `fp8` an error of its own (a kernel the device lacks) in their lines instead, and the
+family goes on.
 
 Run by `bench device` (`device.py`): `python -m neuron_diffusers.tools.bench.device_family FAMILY [--tiny]`.
 """
@@ -30,6 +36,7 @@ from diffusers.utils import logging as diffusers_logging
 from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from ... import families, tiny
+from ...batching import batch_refusal
 from ...checkpoint import resolve
 from ...compat import plans as compat_plans
 from ...compile import compile_repeated_blocks, compile_report, compiled_block_classes, resolve_backend, warmup
@@ -49,6 +56,12 @@ LENGTH_PROMPTS = PROMPTS[:20]
 TIMED_PROMPT = "warm-up"
 #: Device memory kept free beyond the weights at full size (activations at ~4-8k tokens, the compiler's workspace).
 ACTIVATION_MARGIN_GIB = 16
+#: The `batch` phase: this many images at batch 1, then in one call (on the tiny checkpoints 2: the suite runs
+#: every family's phases, and a tiny call costs as much as a full-size one on a device).
+BATCH, TINY_BATCH = 4, 2
+#: The `fp8` phase's scheme: block-wise fp8 with 128-column blocks at full size; 16 on the tiny checkpoints, whose
+#: Linears are 32 to 64 columns wide (a block must divide them, `parallel/quantize.check`).
+FP8_FULL, FP8_TINY = "fp8", "fp8:16"
 
 
 def emit(family: str, phase: str, **fields) -> None:
@@ -176,7 +189,10 @@ class _Run:
                   "random stand-in: real output width, a few narrow layers (device_folder.py)")
         pipe = self._ours(checkpoint, transformer)
         del transformer  # `pipe` holds the only reference: the stock phase frees it before building its own
+        bf16_step_ms = self._batch(pipe)
         self._stock(checkpoint, cls, config, pipe)
+        del pipe
+        self._fp8(checkpoint, cls, config, bf16_step_ms)
         self.emit("done")
 
     def _ours(self, checkpoint, transformer):
@@ -188,8 +204,8 @@ class _Run:
         self.emit("load", seconds=round(time.perf_counter() - began, 3), transformer_device=str(mesh_device(mesh)),
                   text_encoder_device="cpu", buckets=list(pipe.buckets))
         self.phase = "warmup"
-        output = {"output_type": "latent"} if "latent" in pipe.adapter.output_types else {}
-        call = {**self.call_kwargs(self.steps), **output}
+        self.output = {"output_type": "latent"} if "latent" in pipe.adapter.output_types else {}
+        call = {**self.call_kwargs(self.steps), **self.output}
         began, before = time.perf_counter(), compile_report()
         compile_repeated_blocks(pipe, backend=self.backend)
         warmup(pipe, [self.size], **{k: v for k, v in call.items() if k not in ("height", "width")})
@@ -217,6 +233,61 @@ class _Run:
         self.emit("ours", step_ms=_median_ms(seconds), forwards=len(seconds),
                   forward_ms=[round(s * 1000, 3) for s in seconds])
         return pipe
+
+    def _batch(self, pipe) -> float | None:
+        """Images per second making `BATCH` images (`TINY_BATCH` on the tiny checkpoints) one call each and in one
+        call (on a device after one untimed call of the batch: kernel selection, allocator growth), eager; returns the
+        median eager bf16 transformer step (ms) of the one-image calls, what `fp8`'s is compared with."""
+        self.phase = "batch"
+        call, rates, size = {**self.call_kwargs(self.steps), **self.output}, {}, TINY_BATCH if self.tiny else BATCH
+        prompts = [TIMED_PROMPT] * size  # one text length: every family makes them in one stock call
+        refusal = batch_refusal(pipe.adapter, context_parallel=False)
+        with torch.compiler.set_stance("force_eager"):
+            if refusal is None and self.device.type != "cpu":
+                pipe.generate(prompts, seed=0, batch_size=size, **call)
+            with forward_times(pipe.adapter.transformer_of(pipe.pipe), self.device) as seconds:
+                began = time.perf_counter()
+                for index, prompt in enumerate(prompts):
+                    pipe.generate(prompt, seed=index, **call)
+                _sync(self.device)
+            rates[1] = size / (time.perf_counter() - began)
+            if refusal is None:
+                began = time.perf_counter()
+                pipe.generate(prompts, seed=0, batch_size=size, **call)
+                _sync(self.device)
+                rates[size] = size / (time.perf_counter() - began)
+        self.emit("batch", images=size, images_per_s={str(rows): round(rate, 4) for rows, rate in rates.items()},
+                  speedup=round(rates[size] / rates[1], 3) if size in rates else None, refused=refusal,
+                  eager_step_ms=_median_ms(seconds))
+        return _median_ms(seconds)
+
+    def _fp8(self, checkpoint, cls, config, bf16_step_ms: float | None) -> None:
+        """`load_pipeline(quantize=...)` on a fresh transformer with the same weights (stock's freed first): its
+        median eager step beside the bf16 one of `batch`. Its own error is reported in its line (the device may
+        lack a kernel), not the family's."""
+        self.phase = "fp8"
+        torch._dynamo.reset()  # stock's compiled blocks hold its transformer
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        scheme = FP8_TINY if self.tiny else FP8_FULL
+        try:
+            began = time.perf_counter()
+            pipe = load_pipeline(checkpoint, init_distributed(tp=1), torch.bfloat16, quantize=scheme,
+                                 transformer=random_transformer(cls, config, self.device))
+            pipe.pipe.set_progress_bar_config(disable=True)
+            load_s = time.perf_counter() - began
+            with forward_times(pipe.adapter.transformer_of(pipe.pipe), self.device) as seconds:
+                # The tiny run's fewest steps; at full size two more, as `ours` (a first forward's costs aside).
+                steps = self.steps if self.tiny else self.steps + 2
+                pipe.generate(TIMED_PROMPT, seed=0, **self.call_kwargs(steps), **self.output)
+        except Exception as error:  # the point of the phase on a new device: which error, if any
+            self.emit("fp8", ok=False, quantize=scheme, error=describe(error))
+            return
+        step_ms = _median_ms(seconds)
+        self.emit("fp8", ok=True, quantize=scheme, load_seconds=round(load_s, 3), step_ms=step_ms,
+                  bf16_step_ms=bf16_step_ms, bf16_over_fp8=round(bf16_step_ms / step_ms, 3) if bf16_step_ms else None,
+                  forwards=len(seconds), forward_ms=[round(s * 1000, 3) for s in seconds])
 
     def _stock(self, checkpoint, cls, config, pipe) -> None:
         adapter, encoder = pipe.adapter, pipe.encoder

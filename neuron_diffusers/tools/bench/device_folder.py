@@ -11,6 +11,10 @@ benchmark, so the folder is the family's tiny checkpoint with:
 - the VAEs widened to the transformer's latent channels only (the decode stays tiny).
 
 Built once per family on CPU in seconds and cached beside the tiny checkpoints.
+
+`slice_folder` is the same folder with weights, for benches that load a pipeline on several ranks (`bench
+throughput --width full`): the transformer at the released width with a few blocks of each kind (`bench step`'s
+`bench_config`), random weights saved so each rank streams its own slice as `load_pipeline` does.
 """
 
 from __future__ import annotations
@@ -157,3 +161,18 @@ def full_size_folder(family: str) -> Path:
         if not (path.is_dir() and any(path.iterdir())):  # another builder may have won the rename
             raise
     return path
+
+
+def slice_folder(family: str, width: str, blocks: int, into: Path) -> Path:
+    """`into` made a checkpoint of `family`'s pipeline whose transformer has the `width` ("full": the released widths,
+    the text encoders and VAE widened to meet it as above; "tiny": the tiny checkpoint's) and `blocks` blocks of each
+    kind, random weights (seeded 0, float32) saved; the rest as `full_size_folder` (or the tiny checkpoint) has it."""
+    from .step import bench_config  # the one recipe of a bench slice's config
+
+    config = bench_config(family, blocks, width)
+    shutil.copytree(full_size_folder(family) if width == "full" else tiny.cached_tiny(family), into,
+                    dirs_exist_ok=True)
+    shutil.rmtree(into / "transformer")
+    torch.manual_seed(0)
+    families.get(family).model_class().from_config(config).save_pretrained(into / "transformer")
+    return into

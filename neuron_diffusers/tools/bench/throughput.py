@@ -7,23 +7,36 @@ calls (latent output, no decode: the transformer is what batching amortises). Pe
 stock call that made the image (a batch's images all finish with it), p50 and p95 over every image of every round
 (`serve.percentile`, interpolated, as `bench serve` takes them).
 What it prints is measured, not modelled; the spread across rounds is printed beside the median.
+
+`--width full` runs a real-width slice instead of the checkpoint: the family's transformer at its released width
+(FLUX.1: 3072, 24 heads of 128) with `--blocks` blocks of each kind and random weights, inside its tiny pipeline
+whose text encoders and VAE are widened to meet it (`device_folder.slice_folder`, `bench step`'s `bench_config`),
+saved once into a temporary folder that each rank loads its shard from. At the real width each matmul is wide and
+the step compute-bound: the regime a batch must also pay off in, not only the tiny one. `--width tiny` runs the same
+path at the tiny checkpoint's width (a quick check of the command).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from ...cli import positive_int
 from ...distributed import init_distributed
 from ...runner import load_pipeline
 from ..spawn import run_on_cpu_ranks
 from . import record
 from .serve import percentile
+
+#: The families `--width` builds a slice of (`bench step`'s image families).
+SLICE_FAMILIES = ("flux", "flux2", "qwenimage", "qwenimage21")
 
 PROMPTS = ["a red fox in the snow", "a lighthouse on a cliff at dusk, waves breaking on the rocks below",
            "a small boat", "an old library with tall shelves, warm lamps and a sleeping cat on a chair"]
@@ -57,9 +70,44 @@ def rank_bench(model, ranks: int, call: dict, images: int, batches: list[int], r
     return measured
 
 
-def measure(model: str, ranks: int, steps: int, size: int, images: int, batches: list[int], rounds: int) -> dict:
+def measure(model: str, ranks: int, steps: int, size: int, images: int, batches: list[int], rounds: int,
+            width: str | None = None, blocks: int = 1) -> dict:
+    """The table's figures for `model` (a checkpoint), or with `width` for a slice of family `model` at that width
+    with `blocks` blocks of each kind (built into a temporary folder, removed after)."""
+    if width is None:
+        return _rows(model, _run(model, ranks, steps, size, images, batches, rounds), ranks, steps, size, images,
+                     batches, rounds)
+    if model not in SLICE_FAMILIES:
+        raise ValueError(f"--width {width} builds a slice of a family's transformer: --model must be one of "
+                         f"{', '.join(SLICE_FAMILIES)}, got {model!r}. Leave --width out to measure a checkpoint.")
+    from .device_folder import slice_folder
+
+    with tempfile.TemporaryDirectory(prefix="bench-throughput-") as folder:
+        path = slice_folder(model, width, blocks, Path(folder) / model)
+        per_rank = _run(str(path), ranks, steps, size, images, batches, rounds)
+        params = _parameters(path / "transformer")
+    result = _rows(model, per_rank, ranks, steps, size, images, batches, rounds)
+    return {**result, "width": width, "blocks": blocks, "transformer_params": params}
+
+
+def _parameters(folder: Path) -> int:
+    """The parameters saved in `folder`'s safetensors files, counted from their headers (no tensor read)."""
+    from safetensors import safe_open
+
+    count = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as tensors:
+            count += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
+    return count
+
+
+def _run(model: str, ranks: int, steps: int, size: int, images: int, batches: list[int], rounds: int) -> list:
     call = {"height": size, "width": size, "num_inference_steps": steps}
-    per_rank = run_on_cpu_ranks(rank_bench, ranks, model, ranks, call, images, batches, rounds, timeout_s=3600)
+    return run_on_cpu_ranks(rank_bench, ranks, model, ranks, call, images, batches, rounds, timeout_s=3600)
+
+
+def _rows(model: str, per_rank: list, ranks: int, steps: int, size: int, images: int, batches: list[int],
+          rounds: int) -> dict:
     rows = {}
     for batch in batches:
         # A TP group moves at its slowest rank's pace.
@@ -78,7 +126,11 @@ def measure(model: str, ranks: int, steps: int, size: int, images: int, batches:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{result['model']}, {result['size'][0]}x{result['size'][1]}, {result['steps']} steps, "
+    model = result["model"]
+    if result.get("width"):
+        model += (f" ({result['width']}-width slice, {result['blocks']} block(s) of each kind, "
+                  f"{result['transformer_params'] / 1e6:.0f}M transformer parameters)")
+    lines = [f"{model}, {result['size'][0]}x{result['size'][1]}, {result['steps']} steps, "
              f"{result['images']} images x {result['rounds']} rounds, TP={result['tp']} on {result['ranks']} CPU "
              "ranks (1 thread each)",
              "| batch | images/s (median) | range over rounds | vs first | latency p50 (s) | p95 (s) |",
@@ -108,11 +160,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per batch size (default 3)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--size", type=int, default=128, help="height = width (default 128)")
+    parser.add_argument("--width", choices=("full", "tiny"), default=None,
+                        help="instead of the checkpoint, a slice of family --model's transformer at this width (full: "
+                             "the released one, e.g. FLUX.1's 3072) with --blocks blocks of each kind, random weights")
+    parser.add_argument("--blocks", type=positive_int, default=1, help="with --width: blocks of each kind (default 1)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the result as JSON")
 
 
 def main(args) -> None:
-    result = measure(args.model, args.ranks, args.steps, args.size, args.images, args.batches, args.rounds)
+    result = measure(args.model, args.ranks, args.steps, args.size, args.images, args.batches, args.rounds,
+                     width=args.width, blocks=args.blocks)
     print(format_table(result))
     if args.json is not None:  # with the header every stored result carries (docs/verified.md, "Figures")
         header = record.metadata(record.command_line(args))
