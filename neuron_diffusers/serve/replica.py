@@ -19,7 +19,6 @@ from collections.abc import Callable
 import PIL.Image
 import torch.distributed as dist
 
-from ..batching import seeds_for
 from ..distributed import is_replica_leader
 from ..media import png_bytes
 from ..parallel.lora import LoraSpec
@@ -79,8 +78,9 @@ def make(pipe: ParallelPipeline, task: dict, leader: bool) -> dict | None:
 def _together(tasks: list[dict], batch_size: int | None) -> dict:
     """One `generate` call's task for compatible `tasks` (equal `Work.batch_key`: the same call kwargs and LoRAs, the
     same kind and size of image inputs, all with a negative prompt or none): their prompts in order, each image's own
-    seed (each request's seeds were checked when it was accepted, so `seeds_for` cannot raise here), and (image
-    inputs) each prompt's own input image and mask (`per_prompt`)."""
+    seed (`seed + i`, `batching.seeds_for`'s rule, written out here: seeds_for checks, and a bad seed must fail
+    inside `generate`'s error handling, its request alone), and (image inputs) each prompt's own input image and mask
+    (`per_prompt`)."""
     if len(tasks) == 1:
         return {**tasks[0], "batch_size": batch_size}
     first = tasks[0]
@@ -90,7 +90,7 @@ def _together(tasks: list[dict], batch_size: int | None) -> dict:
     if first.get("images"):
         per_prompt = [(one["images"], one.get("mask")) for one in tasks for _ in one["prompts"]]
     return {**first, "prompts": [prompt for one in tasks for prompt in one["prompts"]],
-            "seed": [seed for one in tasks for seed in seeds_for(one["seed"], len(one["prompts"]))],
+            "seed": [one["seed"] + index for one in tasks for index in range(len(one["prompts"]))],
             "negative_prompt": negatives, "batch_size": batch_size, "per_prompt": per_prompt}
 
 
