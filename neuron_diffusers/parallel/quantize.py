@@ -159,16 +159,19 @@ def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, block: int) -> to
 
 def fp8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
     """`x @ W.T` in float32 with `x` quantized per token and block (dynamic) and `W` the fp8 `data` with its `scale`:
-    one row-wise `torch._scaled_mm` per block, summed in block order."""
+    one row-wise `torch._scaled_mm` per block, summed in float32 in block order. CUDA's row-wise kernel writes only
+    bfloat16 (`f8f8bf16_rowwise`), so there each block's product is rounded to bfloat16 before the float32 sum (not
+    run here: no GPU; the CPU path, float32 throughout, is the tested one)."""
     tokens, width = x.shape
     tiles = x.float().reshape(tokens, width // block, block)
     x_scale = tiles.abs().amax(-1).clamp(min=_TINY) / FP8_MAX
     x_data = (tiles / x_scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    product = torch.float32 if x.device.type == "cpu" else torch.bfloat16
     out = None
     for j in range(width // block):
         part = torch._scaled_mm(x_data[:, j].contiguous(), data[:, j * block:(j + 1) * block].t(),
                                 scale_a=x_scale[:, j:j + 1].contiguous(), scale_b=scale[j:j + 1],
-                                out_dtype=torch.float32)
+                                out_dtype=product).float()
         out = part if out is None else out + part
     return out
 
