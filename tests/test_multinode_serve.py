@@ -178,7 +178,7 @@ def test_the_restarted_server_drains_and_exits_0(restarted):
 
 def test_leaving_together_ends_early_when_a_peer_dies(monkeypatch):
     """In one process: two ranks leave together (both True); then a rank that dies before it is done ends its
-    peer's wait in about --peer-timeout (False), not at the wait's own timeout."""
+    peer's wait in about --peer-timeout (False), not at the wait's own timeout, and every rank leaves False."""
     monkeypatch.setattr(liveness, "BEAT_S", 0.02)
     monkeypatch.setattr(liveness, "EXIT_GRACE_S", 0.2)
     store, exits, results = HashStore(), [], {}
@@ -199,6 +199,16 @@ def test_leaving_together_ends_early_when_a_peer_dies(monkeypatch):
     start = time.monotonic()
     assert alone.leave_together(2, 30) is False
     assert time.monotonic() - start < 5 and not exits and "rank 1 is gone" in alone.failure
+
+    # Three ranks, rank 2 dies: rank 0's wait ends False, and rank 1, leaving after it, leaves False too (rank 0's word
+    # is there when rank 1 first looks: no race with rank 1's own watch). Before, rank 0's word was "done" and rank 1
+    # left True: it would exit 0, and on another node than the dead rank's its torchrun agent would end as finished.
+    store, late_exits = HashStore(), []
+    trio = [Liveness(store, rank, 3, 0.3, exit_process=late_exits.append).start() for rank in (0, 1, 2)]
+    time.sleep(0.1)
+    trio[2]._stop.set()
+    assert trio[0].leave_together(3, 30) is False and "rank 2 is gone" in trio[0].failure
+    assert trio[1].leave_together(3, 30) is False
 
 
 @pytest.fixture(scope="module")
