@@ -1,7 +1,8 @@
-"""`serve` on torchrun's own engine: an elastic restart of the serving group (`--max-restarts 1`, a rank SIGKILLed
-while the server idles), and one server spanning two loopback nodes (two torchrun agents, c10d rendezvous, rank 0
-serving HTTP) compared with the single-node server, then drained by SIGTERM on every node. One launch per shape;
-each assertion its own test."""
+"""`serve` on torchrun's own engine, in one launch: one server spanning two loopback nodes (two torchrun agents, c10d
+rendezvous, rank 0 serving HTTP, one replica per node) with `--max-restarts 1`: its images are the job's; a rank
+SIGKILLed while the server idles restarts the whole two-node group (every rank on both nodes a new process: the other
+node's ranks leave with 1, told by rank 0 that a rank did not come, and its agent restarts them), which is ready again
+after loading and gives the same image; then SIGTERM on every node drains it. Each assertion its own test."""
 
 import base64
 import io
@@ -18,6 +19,7 @@ import httpx
 import numpy as np
 import psutil
 import pytest
+import rank_jobs
 from PIL import Image
 from torch.distributed import DistStoreError, HashStore
 
@@ -110,75 +112,151 @@ def _stop_ranks(agents: list[Agent]) -> None:
             os.kill(pid, signal.SIGTERM)
 
 
+def _busy(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while "neuron_diffusers_busy_replicas 1.0" not in PROBES.get(url + "/metrics", timeout=5).text:
+        assert time.monotonic() < deadline, "no request became busy"
+        time.sleep(0.05)
+
+
+def _restart(url: str, agents: list[Agent]) -> dict:
+    """SIGKILL rank 1 while the server idles; every probe's answer until the restarted group is ready (back to
+    back)."""
+    before = {rank: pid for agent in agents for rank, pid in agent.ranks().items()}
+    holder = next(agent for agent in agents if 1 in agent.ranks())
+    os.kill(before[1], signal.SIGKILL)
+    killed, probes = time.monotonic(), []
+    while time.monotonic() - killed < 240 and all(agent.process.poll() is None for agent in agents):
+        probes.append((time.monotonic() - killed, _probe(url)))
+        if probes[-1][1] == (200, 1, 200):
+            break
+        time.sleep(0.02)
+    return {"killed": killed, "probes": probes, "holder": holder, "before": before}
+
+
+def _drain(client: httpx.Client, url: str, agents: list[Agent]) -> dict:
+    """A request in flight while every rank of every node gets SIGTERM: its answer, every agent's exit code."""
+    in_flight = []
+    sender = threading.Thread(target=lambda: in_flight.append(
+        client.post(url + GENERATIONS, json={"prompt": "last fox", "num_inference_steps": 30})))
+    sender.start()
+    _busy(url)
+    ranks = {rank: pid for agent in agents for rank, pid in agent.ranks().items()}
+    _stop_ranks(agents)
+    sender.join(120)
+    return {"in_flight": in_flight, "ranks": ranks, "codes": [agent.process.wait(120) for agent in agents]}
+
+
 @pytest.fixture(scope="module")
-def restarted():
-    """One node, tp=2, `--max-restarts 1`: two images, rank 1 SIGKILLed while idle, every probe's answer until the
-    restarted group is ready (back to back), the first image again, then SIGTERM to the ranks."""
-    port = _free_port()
+def served():
+    """Two torchrun agents on loopback as two nodes of 2 ranks (tp=2 inside each, one replica per node, rank 0
+    serving HTTP, `--max-restarts 1`): two requests at once (one per replica) and one more, rank 1 SIGKILLed while
+    idle until the restarted group is ready, the first image again, then one in flight while every rank gets
+    SIGTERM."""
+    port, rendezvous = _free_port(), _free_port()
     url = f"http://127.0.0.1:{port}"
-    agent = Agent("--standalone", "--nproc-per-node=2", "--max-restarts=1", port=port)
+    joined = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rendezvous}",
+              "--rdzv-id=neuron-diffusers-serve-test", "--max-restarts=1"]
+    agents = [Agent(*joined, port=port) for _ in range(2)]
     try:
-        _wait_ready(url, [agent])
+        _wait_ready(url, agents)
+        ready = httpx.get(url + "/ready").json()
         with httpx.Client(timeout=120) as client:
-            before = {seed: _image(client, url, seed) for seed in (7, 8)}
+            answers = {}
+            together = [threading.Thread(target=lambda s=s: answers.__setitem__(s, _image(client, url, 7)))
+                        for s in ("a", "b")]
+            for thread in together:
+                thread.start()
+            for thread in together:
+                thread.join(300)
+            answers[8] = _image(client, url, 8)
             first = _probe(url)
-            os.kill(agent.ranks()[1], signal.SIGKILL)
-            killed = time.monotonic()
-            probes = []
-            while time.monotonic() - killed < 240 and agent.process.poll() is None:
-                probes.append((time.monotonic() - killed, _probe(url)))
-                if probes[-1][1] == (200, 1, 200):
-                    break
-                time.sleep(0.02)
+            restart = _restart(url, agents)
             after = _image(client, url, 7)
-        _stop_ranks([agent])
-        code = agent.process.wait(120)
-        return {"before": before, "after": after, "first": first, "probes": probes, "killed": killed,
-                "code": code, "agent": agent}
+            drained = _drain(client, url, agents)
+        return {"ready": ready, "answers": answers, "first": first, "after": after, "agents": agents,
+                **restart, **drained}
+    except Exception as error:  # with what every agent said (e.g. the restart that never came)
+        logs = "\n=====\n".join(agent.log(200) for agent in agents)
+        raise AssertionError(f"{error!r}\n{logs}") from error
     finally:
-        agent.kill()
+        for agent in agents:
+            agent.kill()
 
 
-def test_a_rank_killed_while_idle_restarts_the_serving_group(restarted):
-    probes = [probe for _, probe in restarted["probes"]]
-    log = restarted["agent"].log()
-    assert restarted["first"] == (200, 0, 200)
+@pytest.fixture(scope="module")
+def job_images(tmp_path_factory, rank_pool):
+    """The job's images for seeds 7 and 8 at TP=2 (its plan and run on 2 of the session's ranks)."""
+    out, prompts = tmp_path_factory.mktemp("job"), tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    prompts.write_text("a red fox\na red fox\n")  # image i gets --seed + i
+    rank_pool.run(rank_jobs._job_outputs, 2, ["--prompts", str(prompts), "--seed", "7", "--steps", "2", "--tp", "2",
+                                              "--out", str(out)], timeout_s=300)
+    return {seed: np.asarray(Image.open(next(out.glob(f"0000{index}-*.png"))).convert("RGB"))
+            for index, seed in enumerate((7, 8))}
+
+
+def test_two_nodes_serve_one_replica_per_node(served):
+    assert sorted(served["ranks"]) == [0, 1, 2, 3]
+    assert (served["ready"]["replicas"], served["ready"]["tp"]) == (2, 2), served["ready"]
+
+
+def test_two_nodes_give_the_jobs_images(served, job_images):
+    answers = served["answers"]
+    assert np.array_equal(answers["a"], job_images[7]) and np.array_equal(answers["b"], job_images[7])
+    assert np.array_equal(answers[8], job_images[8])
+    assert not np.array_equal(answers[8], job_images[7])  # control: the comparison can fail
+
+
+def test_a_rank_killed_while_idle_restarts_the_two_node_serving_group(served):
+    probes = [probe for _, probe in served["probes"]]
+    log = "".join(agent.log() for agent in served["agents"])
+    assert served["first"] == (200, 0, 200)
     assert ("gone",) in probes, (probes[:5], log)  # the first group stopped: its HTTP server went away
     assert probes[-1] == (200, 1, 200), (probes[-5:], log)  # /health says the group was restarted once
+    # Every rank on both nodes is a new process: the other node's agent restarted its ranks too.
+    assert sorted(served["before"]) == sorted(served["ranks"]) == [0, 1, 2, 3], (served["before"], served["ranks"])
+    assert not set(served["before"].values()) & set(served["ranks"].values()), (served["before"], served["ranks"])
+    other = next(agent for agent in served["agents"] if agent is not served["holder"])
+    print("the other node's agent:", [line.strip()[-100:] for _, line in other.lines if "exitcode" in line])
 
 
-def test_the_restarted_group_is_ready_only_after_loading(restarted):
-    probes = [probe for _, probe in restarted["probes"]]
+def test_the_restarted_group_is_ready_only_after_loading(served):
+    probes = [probe for _, probe in served["probes"]]
     back = probes.index(next(probe for probe in probes if probe[0] == 200 and probe[1] == 1))
     # Listening again while the model loads: alive (/health 200), not ready (/ready 503), until the last probe.
     assert probes[back][2] == 503 and probes[-1][2] == 200, probes[back:]
 
 
-def test_a_request_after_the_restart_gives_the_same_image(restarted):
-    before, after = restarted["before"], restarted["after"]
-    assert np.array_equal(after, before[7])
-    assert not np.array_equal(before[8], before[7])  # control: another seed's image differs
+def test_a_request_after_the_restart_gives_the_same_image(served):
+    assert np.array_equal(served["after"], served["answers"]["a"])
+    assert not np.array_equal(served["answers"][8], served["answers"]["a"])  # control: another seed's image differs
 
 
-def test_rank_0_leaves_within_the_peer_timeout_not_torchruns_kill(restarted):
+def test_rank_0_leaves_within_the_peer_timeout_not_torchruns_kill(served):
     """torchrun SIGTERMs rank 0 when rank 1 dies; rank 0 drains, and its wait for the dead rank ends by the
     heartbeats (--peer-timeout), before torchrun's own SIGKILL would end it. torchrun logs the dead rank once every
     worker of the group has stopped."""
-    agent = restarted["agent"]
+    agent = served["holder"]
     stopped = next((when for when, line in agent.lines if "exitcode: -9" in line), None)
     assert stopped is not None, agent.log()
-    seconds = stopped - restarted["killed"]
+    seconds = stopped - served["killed"]
     print(f"the killed group stopped {seconds:.1f} s after the kill (--peer-timeout {PEER_TIMEOUT_S:g})")
     assert seconds < PEER_TIMEOUT_S + liveness.EXIT_GRACE_S + 10 < TORCHRUN_CLOSE_S, agent.log()
 
 
-def test_the_restarted_server_drains_and_exits_0(restarted):
-    assert restarted["code"] == 0, restarted["agent"].log()
+def test_sigterm_on_every_node_answers_the_request_in_flight(served):
+    in_flight = served["in_flight"]
+    assert len(in_flight) == 1 and in_flight[0].status_code == 200, in_flight
+
+
+def test_sigterm_on_every_node_ends_every_rank_and_agent_with_0(served):
+    # An agent exits 0 only when each of its workers did.
+    assert served["codes"] == [0, 0], "".join(agent.log() for agent in served["agents"])
 
 
 def test_leaving_together_ends_early_when_a_peer_dies(monkeypatch):
     """In one process: two ranks leave together (both True); then a rank that dies before it is done ends its
-    peer's wait in about --peer-timeout (False), not at the wait's own timeout."""
+    peer's wait in about --peer-timeout (False), not at the wait's own timeout, and every rank leaves False."""
     monkeypatch.setattr(liveness, "BEAT_S", 0.02)
     monkeypatch.setattr(liveness, "EXIT_GRACE_S", 0.2)
     store, exits, results = HashStore(), [], {}
@@ -200,67 +278,15 @@ def test_leaving_together_ends_early_when_a_peer_dies(monkeypatch):
     assert alone.leave_together(2, 30) is False
     assert time.monotonic() - start < 5 and not exits and "rank 1 is gone" in alone.failure
 
-
-@pytest.fixture(scope="module")
-def two_nodes():
-    """Two torchrun agents on loopback as two nodes of 2 ranks (tp=2 inside each, one replica per node), rank 0
-    serving HTTP: two requests at once (one per replica), then one in flight while every rank gets SIGTERM."""
-    port, rendezvous = _free_port(), _free_port()
-    url = f"http://127.0.0.1:{port}"
-    joined = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{rendezvous}",
-              "--rdzv-id=neuron-diffusers-serve-test"]
-    agents = [Agent(*joined, port=port) for _ in range(2)]
-    try:
-        _wait_ready(url, agents)
-        ready = httpx.get(url + "/ready").json()
-        with httpx.Client(timeout=120) as client:
-            answers = {}
-            together = [threading.Thread(target=lambda s=s: answers.__setitem__(s, _image(client, url, 7)))
-                        for s in ("a", "b")]
-            for thread in together:
-                thread.start()
-            for thread in together:
-                thread.join(300)
-            answers[8] = _image(client, url, 8)
-            in_flight = []
-            sender = threading.Thread(target=lambda: in_flight.append(
-                client.post(url + GENERATIONS, json={"prompt": "last fox", "num_inference_steps": 30})))
-            sender.start()
-            deadline = time.monotonic() + 60
-            while "neuron_diffusers_busy_replicas 1.0" not in PROBES.get(url + "/metrics", timeout=5).text:
-                assert time.monotonic() < deadline, "no request became busy"
-                time.sleep(0.05)
-            ranks = {rank: pid for agent in agents for rank, pid in agent.ranks().items()}
-            _stop_ranks(agents)
-            sender.join(120)
-        codes = [agent.process.wait(120) for agent in agents]
-        return {"ready": ready, "answers": answers, "in_flight": in_flight, "codes": codes, "ranks": ranks,
-                "agents": agents}
-    finally:
-        for agent in agents:
-            agent.kill()
-
-
-def test_two_nodes_serve_one_replica_per_node(two_nodes):
-    assert sorted(two_nodes["ranks"]) == [0, 1, 2, 3]
-    assert (two_nodes["ready"]["replicas"], two_nodes["ready"]["tp"]) == (2, 2), two_nodes["ready"]
-
-
-def test_two_nodes_give_the_single_node_servers_images(two_nodes, restarted):
-    answers, reference = two_nodes["answers"], restarted["before"]
-    assert np.array_equal(answers["a"], reference[7]) and np.array_equal(answers["b"], reference[7])
-    assert np.array_equal(answers[8], reference[8])
-    assert not np.array_equal(answers[8], reference[7])  # control: the comparison can fail
-
-
-def test_sigterm_on_every_node_answers_the_request_in_flight(two_nodes):
-    in_flight = two_nodes["in_flight"]
-    assert len(in_flight) == 1 and in_flight[0].status_code == 200, in_flight
-
-
-def test_sigterm_on_every_node_ends_every_rank_and_agent_with_0(two_nodes):
-    # An agent exits 0 only when each of its workers did.
-    assert two_nodes["codes"] == [0, 0], "".join(agent.log() for agent in two_nodes["agents"])
+    # Three ranks, rank 2 dies: rank 0's wait ends False, and rank 1, leaving after it, leaves False too (rank 0's word
+    # is there when rank 1 first looks: no race with rank 1's own watch). Before, rank 0's word was "done" and rank 1
+    # left True: it would exit 0, and on another node than the dead rank's its torchrun agent would end as finished.
+    store, late_exits = HashStore(), []
+    trio = [Liveness(store, rank, 3, 0.3, exit_process=late_exits.append).start() for rank in (0, 1, 2)]
+    time.sleep(0.1)
+    trio[2]._stop.set()
+    assert trio[0].leave_together(3, 30) is False and "rank 2 is gone" in trio[0].failure
+    assert trio[1].leave_together(3, 30) is False
 
 
 class _Interrupted(Exception):

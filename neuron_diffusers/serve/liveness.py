@@ -72,20 +72,22 @@ class Liveness:
     def leave_together(self, world_size: int, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) until every rank of the world is done, still beating and watching: a rank that
         died meanwhile (a peer SIGKILLed, then torchrun's SIGTERM drained this one) ends the wait within
-        `dead_after_s`, not `timeout_s`. Rank 0 says it is done once every other rank has, and leaves last, once
-        each has seen that: without torchrun it hosts the store, which must outlive every rank's last look. Polls
-        (a blocking wait would hold the store client the heartbeat needs, see `channel.py`). False when some rank
-        did not come."""
+        `dead_after_s`, not `timeout_s`. Rank 0 says whether every other rank was done, and leaves last, once each
+        has seen that: it hosts the store (the job's own, or this torchrun attempt's), which must outlive every
+        rank's last look. Polls (a blocking wait would hold the store client the heartbeat needs, see `channel.py`).
+        False on every rank when some rank did not come: a rank that left with 0 after a peer died would, on another
+        node than the dead rank's, end that node's torchrun agent as finished, which then never rejoins the
+        restarted group (measured: the two-node server never came back)."""
         deadline = time.monotonic() + timeout_s
         others = [rank for rank in range(world_size) if rank != self.rank]
         try:
             if self.rank == 0:
                 together = self._wait_for([_done(r) for r in others], deadline)
-                self.store.set(_done(0), "1")
+                self.store.set(_done(0), "1" if together else "0")
                 together = together and self._wait_for([_left(r) for r in others], deadline)
             else:
                 self.store.set(_done(self.rank), "1")
-                together = self._wait_for([_done(0)], deadline)
+                together = self._wait_for([_done(0)], deadline) and self.store.get(_done(0)) == b"1"
             self.store.set(_left(self.rank), "1")  # from now on this rank's silence is not a death
         except dist.DistError:  # the store's host is gone
             together = False
