@@ -453,18 +453,31 @@ def wait_keys(store: dist.Store, keys: list[str], timeout_s: float,
     return True
 
 
+#: How long the store's host (rank 0) waits, after leaving together, for the others' last store call.
+STORE_LAST_S = 5.0
+
+
 def leave_together(timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Wait (at most `timeout_s`) until every rank of the world is here, through the store: no collective is in
     flight on any rank afterwards, so tearing the process group down cannot cut a peer off mid-message.
 
     Returns False when some rank did not come in time (it failed or died): leaving anyway is then right.
+
+    Rank 0 serves the group's store (env://, and under torchrun `_attempt_store`): it leaves only after the others
+    said their store calls are over (at most `STORE_LAST_S`), or a peer still polling would read a reset connection
+    and print torch's "recvValue failed ... Connection reset by peer" on its way out.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return True
-    store = default_store()
-    store.set(f"neuron_diffusers/leave/{dist.get_rank()}", "1")
+    store, rank, world = default_store(), dist.get_rank(), dist.get_world_size()
+    store.set(f"neuron_diffusers/leave/{rank}", "1")
     try:
-        return wait_keys(store, [f"neuron_diffusers/leave/{r}" for r in range(dist.get_world_size())], timeout_s)
+        together = wait_keys(store, [f"neuron_diffusers/leave/{r}" for r in range(world)], timeout_s)
+        if rank:
+            store.set(f"neuron_diffusers/left/{rank}", "1")  # this rank's last store call
+        elif together:
+            wait_keys(store, [f"neuron_diffusers/left/{r}" for r in range(1, world)], STORE_LAST_S)
+        return together
     except dist.DistError:  # a peer is gone (its store connection closed)
         return False
 
