@@ -153,7 +153,8 @@ def check_unlocked(out_dir: Path, job_digest: str) -> None:
 
     A holder with this job's digest is left to `JobLock.acquire` on rank 0, whose refusal every rank raises: it may be
     this very job, when rank 0 of a process group that already runs (a test harness, a server) took the lock before
-    another rank got here.
+    another rank got here. So is a holder whose record is not written yet (`acquire` writes it just after taking the
+    lock; seen in CI as "pid ? on ?" refusing this very job).
     """
     path = out_dir / LOCK_NAME
     try:
@@ -164,7 +165,7 @@ def check_unlocked(out_dir: Path, job_digest: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # succeeds when nobody holds it: a dead job's file
     except BlockingIOError:
         holder = _read_holder(fd)
-        if holder.get("digest") != job_digest:
+        if holder.get("digest") not in (job_digest, None):
             raise ValueError(_in_use(out_dir, holder, job_digest)) from None
     finally:
         os.close(fd)

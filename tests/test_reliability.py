@@ -5,6 +5,7 @@ The multi-rank cases run on the session's pool of 2 CPU ranks (`rank_pool`), one
 its own (`rank_cases`), so a failure fails only the test that reads it; the rest runs in this process.
 """
 
+import fcntl
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from neuron_diffusers.cli import main
 from neuron_diffusers.consistency import LatentAgreement, NonFiniteLatentsError
 from neuron_diffusers.media import VideoWithAudio, read_png_text, read_video_text, save_video
-from neuron_diffusers.outputs import LOCK_NAME, JobLock, digest, settings_key
+from neuron_diffusers.outputs import LOCK_NAME, JobLock, check_unlocked, digest, settings_key
 
 FLUX_TIME_WEIGHT = "time_text_embed.timestep_embedder.linear_1.weight"
 
@@ -354,6 +355,21 @@ def test_resume_is_keyed_by_settings(tmp_path, capsys):
 
 
 # -- units ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_lock_taken_but_not_yet_written_is_left_to_rank_0s_acquire(tmp_path):
+    """Rank 0 of a running group took the folder's lock and has not written its record yet: another rank planning the
+    same job does not refuse it as another job's (seen in CI: "pid ? on ?"); once the record names other settings,
+    the folder is refused."""
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        check_unlocked(tmp_path, "this job")
+        os.write(fd, json.dumps({"digest": "another job", "pid": 1, "host": "h"}).encode())
+        with pytest.raises(ValueError, match=r"in use by another job \(pid 1 on h\) with other settings"):
+            check_unlocked(tmp_path, "this job")
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
