@@ -246,7 +246,9 @@ def _join_attempt(agent, host: str, world_size: int, timeout: timedelta) -> tupl
     whose store is gone with its rank 0 (the connection is refused): read again until this attempt's is there."""
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
-        agent.wait([_ATTEMPT_KEY])
+        if not wait_keys(agent, [_ATTEMPT_KEY], deadline - time.monotonic()):  # polls: a SIGTERM is handled at once
+            raise RuntimeError(f"Rank 0 of this torchrun attempt published no store within {timeout}: it failed "
+                               "or is stuck before joining (its log says why).")
         attempt, port = agent.get(_ATTEMPT_KEY).decode().split(":")
         try:
             store = dist.TCPStore(host, int(port), world_size, is_master=False,
