@@ -16,41 +16,30 @@ import io
 import os
 
 
-def _restore_environment(previous: dict) -> None:
-    for name, value in previous.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
 def run_cli(argv: list[str], cwd: str | None = None, script: str | None = None, env: dict | None = None) -> dict:
     """This rank's `neuron-diffusers ARGV` (or `python SCRIPT ARGV`) run in `cwd` with `env` added:
     {"code", "out", "err"} (argparse's exits included)."""
     import runpy
     import sys
 
+    import pytest
     import torch.distributed as dist
 
     from neuron_diffusers import cli, job
 
-    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
-    with contextlib.ExitStack() as undo:
-        undo.callback(os.chdir, before)
-        undo.callback(setattr, dist, "destroy_process_group", dist.destroy_process_group)
-        undo.callback(setattr, job, "leave_together", job.leave_together)
-        undo.callback(setattr, sys, "argv", sys.argv)
-        undo.callback(_restore_environment, {name: os.environ.get(name) for name in env or {}})
-        os.environ.update(env or {})
-        dist.destroy_process_group = lambda *args, **kwargs: None
-        job.leave_together = lambda timeout_s=None: dist.barrier() or True
-        os.chdir(cwd or before)
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:  # everything set here is undone when the job ends
+        patch.setattr(dist, "destroy_process_group", lambda *args, **kwargs: None)
+        patch.setattr(job, "leave_together", lambda timeout_s=None: dist.barrier() or True)
+        patch.setattr(sys, "argv", [script, *argv] if script else sys.argv)
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        patch.chdir(cwd or os.getcwd())
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 if script is None:
                     code = cli.main(argv)
                 else:
-                    sys.argv = [script, *argv]
                     runpy.run_path(script, run_name="__main__")
                     code = 0
             except SystemExit as leaving:
